@@ -1,0 +1,18 @@
+"""failfast: lossless speculative decoding with a block-diffusion drafter and dynamic draft length."""
+
+from failfast.drafters import ARDrafter, BlockDiffusionDrafter, Drafter
+from failfast.engine import GenerationResult, SpeculativeEngine
+from failfast.errors import (CheckpointError, FailfastError, GenerationInputError,
+                             IncompatibleModelsError, PolicyError)
+from failfast.model import LoadedModel, load_model
+from failfast.pipeline import Pipeline, make_drafter
+from failfast.policies import FailFast, Fixed, Policy
+from failfast.stats import GenerationStats, RoundStats
+from failfast.verify import SamplingParams
+
+__all__ = [
+    "ARDrafter", "BlockDiffusionDrafter", "CheckpointError", "Drafter", "FailFast",
+    "FailfastError", "Fixed", "GenerationInputError", "GenerationResult", "GenerationStats",
+    "IncompatibleModelsError", "LoadedModel", "Pipeline", "Policy", "PolicyError", "RoundStats",
+    "SamplingParams", "SpeculativeEngine", "load_model", "make_drafter",
+]

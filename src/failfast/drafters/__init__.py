@@ -1,0 +1,7 @@
+"""Drafters: autoregressive and block-diffusion, behind one `Drafter` protocol."""
+
+from failfast.drafters.autoregressive import ARDrafter
+from failfast.drafters.base import Drafter
+from failfast.drafters.block_diffusion import BlockDiffusionDrafter
+
+__all__ = ["ARDrafter", "BlockDiffusionDrafter", "Drafter"]

@@ -1,0 +1,74 @@
+"""What every drafter offers the engine, and helpers the drafters share."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from failfast.errors import GenerationInputError
+from failfast.model import LoadedModel
+
+
+class Drafter(Protocol):
+    """Proposes tokens after a committed sequence, a few at a time.
+
+    The engine calls `prepare` once per generation, `begin` at the start of every round
+    with the committed sequence, then `draft` as often as the policy asks for more.
+    """
+
+    forwards: int  # model forward passes so far (cumulative)
+
+    def prepare(self, total_len: int) -> None: ...
+
+    def begin(self, committed: list[int]) -> None: ...
+
+    def draft(self, count: int) -> tuple[list[int], list[float]]:
+        """The next `count` draft tokens and each one's confidence (its probability)."""
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class ModelDrafter:
+    """Shared state of drafters that run one of our transformers: model, cache and the
+    token ids whose K/V the cache holds (so verified prefixes are reused across rounds)."""
+
+    def __init__(self, loaded: LoadedModel, vocab_limit: int, banned: tuple[int, ...] = ()) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.vocab_limit = vocab_limit
+        self.banned = [t for t in banned if t < vocab_limit]
+        self.forwards = 0
+        self.cache = self.model.new_cache(1)
+        self.cache_ids: list[int] = []
+
+    def _allocate(self, capacity: int, needed_positions: int) -> None:
+        limit = self.loaded.config.max_position_embeddings
+        if needed_positions > limit:
+            raise GenerationInputError(
+                f"the drafter's context is {limit} tokens; this request needs {needed_positions}")
+        self.cache = self.model.new_cache(capacity)
+        self.cache_ids = []
+
+    def _rollback(self, length: int) -> None:
+        self.cache.rollback(length)
+        del self.cache_ids[length:]
+
+    def pick(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """Greedy choice and its probability over the target's vocabulary ([..., V] -> [...])."""
+        logits = logits[..., : self.vocab_limit].float()
+        if self.banned:
+            logits = logits.clone()
+            logits[..., self.banned] = float("-inf")
+        conf, tok = torch.softmax(logits, dim=-1).max(dim=-1)
+        return tok, conf
+
+    def _tensor(self, ids: list[int]) -> Tensor:
+        return torch.tensor([ids], dtype=torch.long, device=self.model.device)

@@ -1,0 +1,103 @@
+"""Block-diffusion drafter with Fast-dLLM v2 semantics (DESIGN.md section 4).
+
+Blocks of B tokens are aligned from position 0. The cache holds K/V of complete blocks
+only. The current block (known tail + masks) is denoised sub-block by sub-block, left to
+right; each pass unmasks every position whose confidence exceeds the unmask threshold and
+always the single most confident one. Logits for position j are read at j - 1 (token
+shift); a block's first token comes from the last position of the previous block.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from failfast.drafters.base import ModelDrafter, common_prefix_len
+from failfast.errors import IncompatibleModelsError, PolicyError
+from failfast.model import LoadedModel
+
+
+class BlockDiffusionDrafter(ModelDrafter):
+    def __init__(self, loaded: LoadedModel, vocab_limit: int, unmask_threshold: float = 0.05) -> None:
+        cfg = loaded.config
+        if cfg.mask_token_id is None or cfg.block_size is None:
+            raise IncompatibleModelsError(
+                f"{loaded.path} is not a block-diffusion drafter: config.json needs mask_token_id "
+                "and bd_size (or model_type Fast_dLLM_Qwen)")
+        if not 0 <= unmask_threshold <= 1:
+            raise PolicyError(f"unmask threshold must be in [0, 1], got {unmask_threshold}")
+        super().__init__(loaded, vocab_limit, banned=(cfg.mask_token_id,))
+        self.mask_id = cfg.mask_token_id
+        self.block_size = cfg.block_size
+        self.sub_block_size = cfg.sub_block_size or cfg.block_size
+        self.unmask_threshold = unmask_threshold
+        self.boundary: Tensor | None = None  # logits at cache.length - 1: predicts the next block's first token
+
+    def prepare(self, total_len: int) -> None:
+        b = self.block_size
+        self._allocate(-(-total_len // b) * b + b, total_len)
+        self.boundary = None
+
+    def begin(self, committed: list[int]) -> None:
+        b = self.block_size
+        n = len(committed)
+        full = n // b * b
+        keep = min(common_prefix_len(self.cache_ids, committed) // b * b, full)
+        if keep < self.cache.length:
+            self._rollback(keep)
+            self.boundary = None
+        if n == full and keep == full and self.boundary is None:
+            keep -= b  # the first token of the new block needs the previous block's last logits
+            self._rollback(keep)
+        if full > keep:
+            self._commit(committed[keep:full])
+        self.block = committed[full:] + [self.mask_id] * (full + b - n)
+        self.block_confs: list[float] = [1.0] * (n - full) + [0.0] * (full + b - n)
+        self.handed = n - full  # block index of the next token to hand to the engine
+        self.ready = n - full   # block index up to which tokens are decoded (sub-block complete)
+
+    def _commit(self, tokens: list[int]) -> None:
+        """Forward complete, known blocks into the cache; keep the boundary logits."""
+        start = self.cache.length
+        logits = self.model(self._tensor(tokens), start, self.cache, block_size=self.block_size)
+        self.cache_ids.extend(tokens)
+        self.boundary = logits[0, -1]
+        self.forwards += 1
+
+    def _denoise_next_sub_block(self) -> None:
+        s = self.sub_block_size
+        first = self.ready
+        if first == 0:  # the block's first token, AR-style, from the boundary logits
+            tok, conf = self.pick(self.boundary)
+            self.block[0], self.block_confs[0] = int(tok), float(conf)
+        end = min((first // s + 1) * s, self.block_size)
+        masked = [j for j in range(first, end) if self.block[j] == self.mask_id]
+        while masked:
+            logits = self.model(self._tensor(self.block), self.cache.length, self.cache,
+                                block_size=self.block_size, commit=False)
+            self.forwards += 1
+            tok, conf = self.pick(logits[0, [j - 1 for j in masked]])
+            chosen = (conf > self.unmask_threshold)
+            chosen[conf.argmax()] = True
+            for j, t, c, take in zip(masked, tok.tolist(), conf.tolist(), chosen.tolist()):
+                if take:
+                    self.block[j], self.block_confs[j] = t, c
+            masked = [j for j in masked if self.block[j] == self.mask_id]
+        self.ready = end
+
+    def draft(self, count: int) -> tuple[list[int], list[float]]:
+        tokens: list[int] = []
+        confs: list[float] = []
+        while len(tokens) < count:
+            if self.handed == self.block_size:  # block complete: cache it, start the next
+                self._commit(self.block)
+                self.block = [self.mask_id] * self.block_size
+                self.block_confs = [0.0] * self.block_size
+                self.handed = self.ready = 0
+            if self.handed == self.ready:
+                self._denoise_next_sub_block()
+            take = min(count - len(tokens), self.ready - self.handed)
+            tokens += self.block[self.handed:self.handed + take]
+            confs += self.block_confs[self.handed:self.handed + take]
+            self.handed += take
+        return tokens, confs

@@ -1,0 +1,109 @@
+"""Model configuration read from a Hugging Face `config.json` (Qwen2 family)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from failfast.errors import CheckpointError
+
+# Fast-dLLM v2 checkpoints do not store their mask token id in config.json.
+FAST_DLLM_MODEL_TYPE = "Fast_dLLM_Qwen"
+FAST_DLLM_MASK_TOKEN_ID = 151665
+DEFAULT_BLOCK_SIZE = 32
+DEFAULT_SUB_BLOCK_SIZE = 8
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    head_dim: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "qwen2"
+    # Block diffusion (Fast-dLLM v2 semantics); None for plain AR checkpoints.
+    mask_token_id: int | None = None
+    block_size: int | None = None
+    sub_block_size: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_attention_heads:
+                raise CheckpointError("hidden_size must be divisible by num_attention_heads")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise CheckpointError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @property
+    def is_block_diffusion(self) -> bool:
+        return self.block_size is not None
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+        """Parse a config.json dict; refuse features this runtime does not implement."""
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads")
+        missing = [k for k in required if k not in raw]
+        if missing:
+            raise CheckpointError(f"config.json lacks required fields: {', '.join(missing)}")
+        if raw.get("rope_scaling"):
+            raise CheckpointError("config.json uses rope_scaling, which failfast does not support")
+        if raw.get("use_sliding_window"):
+            raise CheckpointError("config.json enables sliding-window attention, which failfast does not support")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise CheckpointError(f"unsupported hidden_act {raw['hidden_act']!r} (only silu)")
+        eos = raw.get("eos_token_id")
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        model_type = raw.get("model_type", "qwen2")
+        mask_id = raw.get("mask_token_id")
+        block = raw.get("bd_size", raw.get("block_size"))
+        if model_type == FAST_DLLM_MODEL_TYPE:
+            mask_id = FAST_DLLM_MASK_TOKEN_ID if mask_id is None else mask_id
+            block = DEFAULT_BLOCK_SIZE if block is None else block
+        sub_block = raw.get("small_block_size")
+        if block is not None and sub_block is None:
+            sub_block = min(DEFAULT_SUB_BLOCK_SIZE, int(block))
+        known = set(cls.__dataclass_fields__)
+        return cls(
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=int(raw["hidden_size"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=int(raw["num_attention_heads"]),
+            num_key_value_heads=int(raw.get("num_key_value_heads", raw["num_attention_heads"])),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            head_dim=int(raw.get("head_dim") or 0),
+            eos_token_ids=eos_ids,
+            model_type=model_type,
+            mask_token_id=None if mask_id is None else int(mask_id),
+            block_size=None if block is None else int(block),
+            sub_block_size=None if sub_block is None else int(sub_block),
+            extra={k: v for k, v in raw.items() if k not in known},
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A config.json that both failfast and `transformers` Qwen2 can read."""
+        out = {k: v for k, v in asdict(self).items()
+               if k not in ("extra", "eos_token_ids", "block_size", "sub_block_size")}
+        out.update(self.extra)
+        out["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0]
+        if self.block_size is not None:
+            out["bd_size"] = self.block_size
+            out["small_block_size"] = self.sub_block_size
+        if self.mask_token_id is None:
+            out.pop("mask_token_id")
+        out.setdefault("architectures", ["Qwen2ForCausalLM"])
+        out.setdefault("hidden_act", "silu")
+        return out

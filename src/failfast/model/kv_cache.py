@@ -1,0 +1,34 @@
+"""Preallocated KV cache indexed by absolute position; rollback is setting `length`."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Per-layer key/value buffers `[batch, kv_heads, capacity, head_dim]` plus a valid length.
+
+    A forward pass writes K/V for positions [start, start + T) in place. Only positions
+    below `length` count as cached, so rejected drafts are discarded by lowering `length`
+    and never copied.
+    """
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device | str, batch: int = 1) -> None:
+        shape = (batch, kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.capacity = capacity
+        self.length = 0
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back a cache of length {self.length} to {length}")
+        self.length = length
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store K/V at [start, start+T) and return all keys/values up to start+T."""
+        end = start + k.shape[2]
+        self.keys[layer][:, :, start:end] = k
+        self.values[layer][:, :, start:end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]

@@ -1,0 +1,174 @@
+"""Qwen2-architecture decoder (RMSNorm, RoPE, SwiGLU, GQA, q/k/v bias) over a KVCache.
+
+Parameter names match Hugging Face `Qwen2ForCausalLM`, so checkpoints load unchanged.
+Two attention patterns share one implementation, both derived from absolute positions:
+causal (a query at q sees keys k <= q) and block diffusion (q sees k iff q//B >= k//B).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from failfast.model.config import ModelConfig
+from failfast.model.kv_cache import KVCache
+
+
+def attention_mask(q_pos: Tensor, k_pos: Tensor, block_size: int | None) -> Tensor:
+    """Boolean [Tq, Tk] mask: True where a query may attend to a key."""
+    if block_size is None:
+        return k_pos[None, :] <= q_pos[:, None]
+    return (k_pos[None, :] // block_size) <= (q_pos[:, None] // block_size)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in float32 at least (as Qwen2 does), then return in the input dtype.
+        compute = torch.promote_types(x.dtype, torch.float32)
+        h = x.to(compute)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """RoPE tables computed in float32 from positions, as the reference implementation does."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        self.register_buffer("inv_freq", 1.0 / (theta ** exponent), persistent=False)
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=True)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=True)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=True)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None,
+                cache: KVCache | None, layer: int, start: int) -> Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:
+            k, v = cache.write(layer, start, k, v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None,
+                cache: KVCache | None, layer: int, start: int) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, layer, start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM; `forward` serves inference over a cache, `forward_masked` training."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
+        c = self.config
+        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, capacity,
+                       self.dtype, self.device, batch)
+
+    def _run(self, tokens: Tensor, positions: Tensor, mask: Tensor | None,
+             cache: KVCache | None, start: int) -> Tensor:
+        x = self.model.embed_tokens(tokens)
+        rope = self.rotary(positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, rope, mask, cache, i, start)
+        return self.lm_head(self.model.norm(x))
+
+    def forward(self, tokens: Tensor, start: int, cache: KVCache, *,
+                block_size: int | None = None, commit: bool = True) -> Tensor:
+        """Logits for `tokens` [B, T] at positions start..start+T-1, attending to the cache.
+
+        The cache must hold exactly positions [0, start). With `commit` the new K/V count as
+        cached afterwards; without it they are scratch (a diffusion denoising pass).
+        """
+        if start != cache.length:
+            raise ValueError(f"forward at position {start} but the cache holds {cache.length}")
+        t = tokens.shape[1]
+        if start + t > cache.capacity:
+            raise ValueError(f"positions up to {start + t} exceed the cache capacity {cache.capacity}")
+        positions = torch.arange(start, start + t, device=tokens.device)
+        mask = None
+        if t > 1 or block_size is not None:
+            mask = attention_mask(positions, torch.arange(start + t, device=tokens.device), block_size)
+        logits = self._run(tokens, positions, mask, cache, start)
+        if commit:
+            cache.length = start + t
+        return logits
+
+    def forward_masked(self, tokens: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
+        """Cache-free forward with an explicit [T, T] attention mask (training layouts)."""
+        return self._run(tokens, positions, mask, None, 0)

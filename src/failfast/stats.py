@@ -1,0 +1,59 @@
+"""Per-generation statistics and the per-round trajectory (DESIGN.md section 7)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class RoundStats:
+    drafted: int
+    accepted: int
+    drafter_forwards: int
+    confidences: list[float]
+
+
+@dataclass
+class GenerationStats:
+    tokens: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafter_forwards: int = 0
+    target_forwards: int = 0
+    wall_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    trajectory: list[RoundStats] = field(default_factory=list)
+
+    @property
+    def other_s(self) -> float:
+        return max(self.wall_s - self.draft_s - self.verify_s, 0.0)
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+    def record(self, round_stats: RoundStats) -> None:
+        self.rounds += 1
+        self.drafted += round_stats.drafted
+        self.accepted += round_stats.accepted
+        self.drafter_forwards += round_stats.drafter_forwards
+        self.trajectory.append(round_stats)
+
+    def to_dict(self, trajectory: bool = False) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if k != "trajectory"}
+        out.update(other_s=self.other_s, tokens_per_round=self.tokens_per_round,
+                   acceptance_rate=self.acceptance_rate, tokens_per_s=self.tokens_per_s)
+        if trajectory:
+            out["trajectory"] = [asdict(r) for r in self.trajectory]
+        return out

@@ -1,0 +1,95 @@
+"""The sampler shared by plain decoding and verification, and the acceptance rule.
+
+Sampled tokens use Gumbel-max noise keyed by (seed, absolute position): the token drawn
+at a position depends only on the prefix, the seed and the position, so speculative
+decoding reproduces plain sampling token for token. Greedy is temperature 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from failfast.errors import GenerationInputError
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK63 = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise GenerationInputError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise GenerationInputError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise GenerationInputError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def processed_logprobs(logits: Tensor, params: SamplingParams) -> Tensor:
+    """Log-probabilities after temperature, top-k and top-p ([..., V]; removed tokens -inf)."""
+    scores = logits.double() / params.temperature
+    if params.top_k and params.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+        probs = sorted_scores.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs
+        drop_sorted = mass_before >= params.top_p  # never drops the most likely token
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores.log_softmax(-1)
+
+
+def gumbel_noise(seed: int, position: int, vocab: int, device: torch.device) -> Tensor:
+    """Standard Gumbel noise that depends only on (seed, position)."""
+    gen = torch.Generator(device="cpu").manual_seed((seed * _GOLDEN + position) & _MASK63)
+    u = torch.rand(vocab, generator=gen, dtype=torch.float64).clamp_(min=1e-300)
+    return (-torch.log(-torch.log(u))).to(device)
+
+
+class Sampler:
+    """Chooses the target's token at given absolute positions."""
+
+    def __init__(self, params: SamplingParams | None = None) -> None:
+        self.params = params or SamplingParams()
+
+    def choose(self, logits: Tensor, position: int) -> int:
+        """Token for one position from its logits [V]."""
+        if self.params.greedy:
+            return int(logits.argmax())
+        logp = processed_logprobs(logits, self.params)
+        return int((logp + gumbel_noise(self.params.seed, position, logp.shape[-1], logp.device)).argmax())
+
+
+def verify_draft(logits: Tensor, draft: list[int], sampler: Sampler, first_position: int) -> tuple[int, int]:
+    """Accept-while-equal over target logits [k+1, V] for draft d1..dk.
+
+    Returns (a, y): the number of accepted draft tokens and the target's token at the
+    first position not covered by an accepted draft (a correction, or a bonus if a == k).
+    Exact for any drafter: the target's choice is computed independently of the draft.
+    """
+    if sampler.params.greedy:
+        choices = logits.argmax(-1).tolist()
+        for a, d in enumerate(draft):
+            if d != choices[a]:
+                return a, choices[a]
+        return len(draft), choices[len(draft)]
+    for a in range(len(draft) + 1):
+        y = sampler.choose(logits[a], first_position + a)
+        if a == len(draft) or draft[a] != y:
+            return a, y
+    raise AssertionError("unreachable")
