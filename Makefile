@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv test clean
+.PHONY: venv test clean models
 
 $(VENV)/.installed: pyproject.toml
 	rm -rf $(VENV)
@@ -21,3 +21,14 @@ test: venv
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+
+# The embedded models: the full training recipe (about 90 minutes on 2 CPU cores).
+# Intermediate outputs go to runs/; `make ship-models` copies the results into the package.
+RUNS ?= runs
+TRAIN := $(VENV)/bin/failfast train
+
+models: venv
+	$(TRAIN) data --out $(RUNS)/data
+	$(TRAIN) ar --size drafter --data $(RUNS)/data --out $(RUNS)/drafter-ar --steps 1000 --batch-size 16 --seq-len 256 --lr 2e-3 --resume
+	$(TRAIN) diffusion --init $(RUNS)/drafter-ar --data $(RUNS)/data --out $(RUNS)/drafter-dllm --steps 300 --batch-size 16 --seq-len 256 --lr 1e-3 --block-size 32 --sub-block-size 8 --resume
+	$(TRAIN) ar --size target --data $(RUNS)/data --out $(RUNS)/target --steps 700 --batch-size 16 --seq-len 256 --lr 1.5e-3 --resume

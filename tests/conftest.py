@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -9,8 +10,6 @@ import torch
 
 from failfast.model import ModelConfig, Transformer
 from failfast.model.checkpoint import save_model
-
-torch.set_num_threads(2)
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -37,6 +36,14 @@ def random_model(cfg: ModelConfig, seed: int, scale: float = 0.5) -> Transformer
 def write_model(folder: Path, cfg: ModelConfig, seed: int) -> Path:
     save_model(random_model(cfg, seed), folder)
     return folder
+
+
+def set_eos(folder: Path, eos: int | None) -> None:
+    """Rewrite a checkpoint's end-of-sequence id in place."""
+    cfg_path = folder / "config.json"
+    raw = json.loads(cfg_path.read_text())
+    raw["eos_token_id"] = eos
+    cfg_path.write_text(json.dumps(raw))
 
 
 @pytest.fixture

@@ -116,7 +116,7 @@ class Backbone(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder-only LM; `forward` serves inference over a cache, `forward_masked` training."""
+    """Decoder-only LM; `forward` serves inference over a cache, `hidden_masked` training."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -140,13 +140,13 @@ class Transformer(nn.Module):
         return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, capacity,
                        self.dtype, self.device, batch)
 
-    def _run(self, tokens: Tensor, positions: Tensor, mask: Tensor | None,
-             cache: KVCache | None, start: int) -> Tensor:
+    def _hidden(self, tokens: Tensor, positions: Tensor, mask: Tensor | None,
+                cache: KVCache | None, start: int) -> Tensor:
         x = self.model.embed_tokens(tokens)
         rope = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, rope, mask, cache, i, start)
-        return self.lm_head(self.model.norm(x))
+        return self.model.norm(x)
 
     def forward(self, tokens: Tensor, start: int, cache: KVCache, *,
                 block_size: int | None = None, commit: bool = True) -> Tensor:
@@ -164,11 +164,14 @@ class Transformer(nn.Module):
         mask = None
         if t > 1 or block_size is not None:
             mask = attention_mask(positions, torch.arange(start + t, device=tokens.device), block_size)
-        logits = self._run(tokens, positions, mask, cache, start)
+        logits = self.lm_head(self._hidden(tokens, positions, mask, cache, start))
         if commit:
             cache.length = start + t
         return logits
 
-    def forward_masked(self, tokens: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
-        """Cache-free forward with an explicit [T, T] attention mask (training layouts)."""
-        return self._run(tokens, positions, mask, None, 0)
+    def hidden_masked(self, tokens: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
+        """Final hidden states of a cache-free forward with an explicit [T, T] attention mask.
+
+        Training uses it so that the output head runs only on positions that carry a loss.
+        """
+        return self._hidden(tokens, positions, mask, None, 0)

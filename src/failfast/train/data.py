@@ -1,0 +1,80 @@
+"""Tokenised corpus on disk and seeded random training windows."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from failfast.errors import FailfastError
+from failfast.model import Tokenizer
+from failfast.train.corpus import CorpusSplit, read_text, split_corpus
+from failfast.train.tokenizer import load_tokenizer, special_ids, train_tokenizer
+
+TOKENIZER_FILE = "tokenizer.json"
+TRAIN_FILE = "train.npy"
+HELD_OUT_FILE = "heldout.npy"
+MANIFEST_FILE = "manifest.json"
+
+
+def _encode_files(files: list[Path], tokenizer: Tokenizer, eos: int) -> np.ndarray:
+    ids: list[int] = []
+    for f in files:
+        ids.extend(tokenizer.encode(read_text(f)))
+        ids.append(eos)
+    return np.asarray(ids, dtype=np.uint16 if tokenizer.vocab_size <= 65536 else np.int32)
+
+
+def prepare_data(out: Path, corpus_root: Path | None = None, vocab_size: int = 8192) -> dict:
+    """Train the tokenizer, tokenise both splits and write a manifest naming held-out files."""
+    split: CorpusSplit = split_corpus(corpus_root)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(split.train, vocab_size)
+    tokenizer.inner.save(str(out / TOKENIZER_FILE))
+    eos, _ = special_ids(tokenizer)
+    train, held = _encode_files(split.train, tokenizer, eos), _encode_files(split.held_out, tokenizer, eos)
+    np.save(out / TRAIN_FILE, train)
+    np.save(out / HELD_OUT_FILE, held)
+    manifest = {
+        "corpus_root": str(split.root),
+        "train_files": len(split.train),
+        "train_tokens": int(train.size),
+        "held_out_tokens": int(held.size),
+        "vocab_size": tokenizer.vocab_size,
+        "held_out_files": [p.relative_to(split.root).as_posix() for p in split.held_out],
+    }
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+@dataclass
+class PreparedData:
+    folder: Path
+    tokenizer: Tokenizer
+    train: Tensor
+    held_out: Tensor
+    manifest: dict
+
+    @classmethod
+    def load(cls, folder: Path) -> "PreparedData":
+        folder = Path(folder)
+        needed = [TOKENIZER_FILE, TRAIN_FILE, HELD_OUT_FILE, MANIFEST_FILE]
+        missing = [n for n in needed if not (folder / n).is_file()]
+        if missing:
+            raise FailfastError(f"{folder} is not prepared data (missing {', '.join(missing)}); "
+                                "run `failfast train data` first")
+        load = lambda name: torch.from_numpy(np.load(folder / name).astype(np.int64))  # noqa: E731
+        return cls(folder, load_tokenizer(folder / TOKENIZER_FILE), load(TRAIN_FILE), load(HELD_OUT_FILE),
+                   json.loads((folder / MANIFEST_FILE).read_text()))
+
+
+def windows(stream: Tensor, batch: int, length: int, generator: torch.Generator) -> Tensor:
+    """`batch` random windows of `length` tokens from a 1-D token stream."""
+    if stream.numel() <= length:
+        raise FailfastError(f"corpus has {stream.numel()} tokens, fewer than one window of {length}")
+    starts = torch.randint(0, stream.numel() - length, (batch,), generator=generator)
+    return torch.stack([stream[s:s + length] for s in starts.tolist()])

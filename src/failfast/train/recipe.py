@@ -1,0 +1,72 @@
+"""The training recipe: model sizes and the three stages (AR target, AR drafter, AR -> diffusion)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from failfast.errors import FailfastError
+from failfast.model import ModelConfig, Transformer, load_model
+from failfast.train.data import PreparedData
+from failfast.train.loop import TrainSettings, train
+from failfast.train.objectives import ar_loss, block_diffusion_loss
+from failfast.train.tokenizer import special_ids
+
+# Shapes chosen by measurement on a 2-core CPU (see the model cards): the target's decode
+# step costs several drafter denoising passes, and the whole recipe fits in about 90 min.
+SIZES: dict[str, dict[str, int]] = {
+    "target": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=10,
+                   num_attention_heads=6, num_key_value_heads=2),
+    "drafter": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2),
+    "tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                 num_attention_heads=2, num_key_value_heads=1),
+}
+CONTEXT = 2048
+
+
+def new_model(size: str, vocab_size: int, eos_id: int, seed: int) -> Transformer:
+    if size not in SIZES:
+        raise FailfastError(f"unknown model size {size!r}; choose from {', '.join(SIZES)}")
+    cfg = ModelConfig(vocab_size=vocab_size, max_position_embeddings=CONTEXT, tie_word_embeddings=True,
+                      rope_theta=10000.0, eos_token_ids=(eos_id,), **SIZES[size])
+    torch.manual_seed(seed)
+    model = Transformer(cfg)
+    out_scale = 0.02 / (2 * cfg.num_hidden_layers) ** 0.5
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            std = out_scale if name.endswith(("o_proj", "down_proj")) else 0.02
+            nn.init.normal_(module.weight, std=std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+    return model
+
+
+def train_ar(data_dir: Path, out: Path, size: str, settings: TrainSettings, *, resume: bool = False) -> dict:
+    """Next-token pre-training of a fresh model on the prepared corpus."""
+    data = PreparedData.load(data_dir)
+    eos, _ = special_ids(data.tokenizer)
+    model = new_model(size, data.tokenizer.vocab_size, eos, settings.seed)
+    return train(model, ar_loss, data.train, data.held_out, settings, out, data.tokenizer,
+                 resume=resume, label=f"AR {size}")
+
+
+def convert_to_diffusion(init_dir: Path, data_dir: Path, out: Path, settings: TrainSettings, *,
+                         block_size: int = 32, sub_block_size: int = 8, resume: bool = False) -> dict:
+    """Fast-dLLM v2-style conversion: start from AR weights, add a mask token, train block diffusion."""
+    if block_size < 1 or sub_block_size < 1 or block_size % sub_block_size:
+        raise FailfastError(f"block size ({block_size}) must be a positive multiple of the "
+                            f"sub-block size ({sub_block_size})")
+    data = PreparedData.load(data_dir)
+    _, mask_id = special_ids(data.tokenizer)
+    ar = load_model(init_dir)
+    cfg = replace(ar.config, mask_token_id=mask_id, block_size=block_size, sub_block_size=sub_block_size)
+    model = Transformer(cfg)
+    model.load_state_dict(ar.model.state_dict())
+    model.requires_grad_(True)
+    loss = lambda m, batch, gen: block_diffusion_loss(m, batch, block_size, mask_id, gen)  # noqa: E731
+    return train(model, loss, data.train, data.held_out, settings, out, data.tokenizer,
+                 resume=resume, label="AR -> block diffusion")

@@ -1,0 +1,120 @@
+"""Every drafter x policy yields exactly transformers' greedy tokens (float64, CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen2ForCausalLM
+
+from failfast import FailFast, Fixed, SpeculativeEngine, load_model, make_drafter
+from tests.conftest import set_eos, tiny_config, write_model
+from tests.synthetic import BLOCK, train_pair
+
+POLICIES = [Fixed(1), Fixed(4), Fixed(11), FailFast(), FailFast(tau=0.0, chunk=3, max_draft=20)]
+PROMPT_LENGTHS = [1, 2, 7, 8, 9, 16, 17, 30]  # drafter block size is 8
+MAX_NEW = 40
+
+
+def hf_greedy(folder: Path, prompt: list[int], max_new: int, eos: int | None = None) -> list[int]:
+    model = Qwen2ForCausalLM.from_pretrained(folder, torch_dtype=torch.float64).eval()
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
+                         eos_token_id=eos, pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def random_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("random")
+    target = write_model(root / "target", tiny_config(eos_token_ids=()), seed=0)
+    return {
+        "target": target,
+        "self": target,  # AR drafter sharing the target's weights: full acceptance
+        "random-ar": write_model(root / "ar", tiny_config(eos_token_ids=()), seed=7),
+        "random-dllm": write_model(root / "dllm", tiny_config(eos_token_ids=(), mask_token_id=95, block_size=BLOCK,
+                                                              sub_block_size=4), seed=9),
+    }
+
+
+@pytest.fixture(scope="module")
+def trained_pair(tmp_path_factory) -> tuple[Path, Path]:
+    return train_pair(tmp_path_factory.mktemp("trained"))
+
+
+def prompt_of(length: int, seed: int = 0) -> list[int]:
+    return torch.randint(2, 90, (length,), generator=torch.Generator().manual_seed(seed + length)).tolist()
+
+
+@pytest.mark.parametrize("drafter_name", ["self", "random-ar", "random-dllm"])
+def test_random_drafters_are_lossless(random_models, drafter_name):
+    target = load_model(random_models["target"], dtype=torch.float64)
+    drafter = load_model(random_models[drafter_name], dtype=torch.float64)
+    for length in PROMPT_LENGTHS:
+        prompt = prompt_of(length)
+        expected = hf_greedy(random_models["target"], prompt, MAX_NEW)
+        assert SpeculativeEngine(target).generate(prompt, MAX_NEW).token_ids == expected
+        for policy in POLICIES:
+            result = SpeculativeEngine(target, make_drafter(target, drafter), policy).generate(prompt, MAX_NEW)
+            assert result.token_ids == expected, (drafter_name, policy.name, length)
+            assert result.stats.tokens == MAX_NEW and result.stop_reason == "length"
+            if drafter_name == "self":
+                assert result.stats.accepted == result.stats.drafted  # full acceptance
+
+
+def test_random_drafter_accepts_almost_nothing(random_models):
+    target = load_model(random_models["target"], dtype=torch.float64)
+    drafter = load_model(random_models["random-ar"], dtype=torch.float64)
+    stats = SpeculativeEngine(target, make_drafter(target, drafter), Fixed(4)).generate(prompt_of(9), MAX_NEW).stats
+    assert stats.acceptance_rate < 0.2 and stats.rounds > MAX_NEW // 2
+
+
+@pytest.mark.parametrize("prompt", [list(range(3, 8)), list(range(10, 18)), list(range(20, 33)),
+                                    list(range(0, 16)), [5]])
+def test_trained_block_diffusion_drafter_is_lossless_with_long_drafts(trained_pair, prompt):
+    target_dir, drafter_dir = trained_pair
+    target = load_model(target_dir, dtype=torch.float64)
+    drafter = load_model(drafter_dir, dtype=torch.float64)
+    expected = hf_greedy(target_dir, prompt, 90)
+    for policy in (FailFast(tau=0.45, chunk=10, max_draft=40), Fixed(20), Fixed(3)):
+        result = SpeculativeEngine(target, make_drafter(target, drafter), policy).generate(prompt, 90)
+        assert result.token_ids == expected, policy.name
+    result = SpeculativeEngine(target, make_drafter(target, drafter), FailFast(0.45, 10, 40)).generate(prompt, 90)
+    # Drafts spanning several blocks are accepted whole: the drafter really predicts the target.
+    assert max(r.accepted for r in result.stats.trajectory) >= 2 * BLOCK
+    assert result.stats.tokens_per_round > 4
+
+
+def _emitted_in_last_round(result) -> int:
+    earlier = sum(r.accepted + 1 for r in result.stats.trajectory[:-1])
+    return result.stats.tokens - earlier
+
+
+def test_eos_inside_a_draft(trained_pair, tmp_path):
+    target_dir, drafter_dir = trained_pair
+    prompt = list(range(3, 8))
+    eos = 20  # the counting sequence reaches it 13 tokens after the prompt
+    folder = tmp_path / "target-eos"
+    folder.mkdir()
+    for f in target_dir.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    set_eos(folder, eos)
+    expected = hf_greedy(folder, prompt, 60, eos=eos)
+    assert expected[-1] == eos and len(expected) < 60
+    target = load_model(folder, dtype=torch.float64)
+    drafter = load_model(drafter_dir, dtype=torch.float64)
+    result = SpeculativeEngine(target, make_drafter(target, drafter), FailFast(0.0, 10, 40)).generate(prompt, 60)
+    assert result.token_ids == expected and result.stop_reason == "eos"
+    last = result.stats.trajectory[-1]
+    assert last.drafted > _emitted_in_last_round(result)  # EOS arrived while draft tokens remained
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 13, 37])
+def test_max_new_tokens_cuts_a_long_draft(trained_pair, max_new):
+    target_dir, drafter_dir = trained_pair
+    target = load_model(target_dir, dtype=torch.float64)
+    drafter = load_model(drafter_dir, dtype=torch.float64)
+    prompt = list(range(3, 8))
+    result = SpeculativeEngine(target, make_drafter(target, drafter), Fixed(30)).generate(prompt, max_new)
+    assert result.token_ids == hf_greedy(target_dir, prompt, max_new)
+    assert result.stats.tokens == max_new and result.stop_reason == "length"
