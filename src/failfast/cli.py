@@ -18,11 +18,12 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 
 
 def _policy(args: argparse.Namespace) -> Policy | None:
-    if args.policy == "ar":
+    policy = args.policy or ("failfast" if args.drafter else "ar")
+    if policy == "ar":
         return None
     if args.drafter is None:
-        raise GenerationInputError(f"--policy {args.policy} needs --drafter")
-    if args.policy == "fixed":
+        raise GenerationInputError(f"--policy {policy} needs --drafter")
+    if policy == "fixed":
         return Fixed(args.k)
     return FailFast(tau=args.tau, chunk=args.chunk, max_draft=args.max_draft)
 
@@ -86,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="complete a prompt, exactly as the target would")
     g.add_argument("--target", required=True, help="target model folder")
     g.add_argument("--drafter", help="drafter model folder (AR or block diffusion)")
-    g.add_argument("--policy", choices=["ar", "fixed", "failfast"], default="failfast")
+    g.add_argument("--policy", choices=["ar", "fixed", "failfast"],
+                   help="draft-length policy (default: failfast with a drafter, else plain ar)")
     g.add_argument("--k", type=int, default=5, help="draft length for --policy fixed")
     g.add_argument("--tau", type=float, default=0.45, help="FailFast confidence threshold")
     g.add_argument("--chunk", type=int, default=10, help="FailFast chunk N")

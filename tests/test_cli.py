@@ -1,0 +1,37 @@
+"""`failfast generate` end to end, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from failfast import FailFast, SpeculativeEngine, load_model, make_drafter
+from failfast.cli import main
+
+
+def test_generate_json_matches_the_library(target_dir, capsys):
+    code = main(["generate", "--target", str(target_dir), "--drafter", str(target_dir), "--policy", "failfast",
+                 "--chunk", "3", "--max-draft", "9", "--prompt-ids", "5,6,7,8", "--max-new-tokens", "12",
+                 "--dtype", "float64", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    target = load_model(target_dir, dtype=torch.float64)
+    engine = SpeculativeEngine(target, make_drafter(target, target), FailFast(chunk=3, max_draft=9))
+    expected = engine.generate([5, 6, 7, 8], 12)
+    assert out["token_ids"] == expected.token_ids and out["text"] is None
+    for key in ("tokens", "rounds", "drafted", "accepted", "drafter_forwards", "target_forwards",
+                "wall_s", "draft_s", "verify_s"):
+        assert key in out["stats"]
+    assert out["stats"]["tokens"] == len(out["token_ids"])
+    assert out["stats"]["accepted"] == out["stats"]["drafted"]  # self-drafting accepts everything
+
+
+def test_console_script_runs_plain_ar(target_dir):
+    proc = subprocess.run([sys.executable, "-m", "failfast.cli", "generate", "--target", str(target_dir),
+                           "--policy", "ar", "--prompt-ids", "5,6,7", "--max-new-tokens", "4"],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "target rounds" in proc.stderr and proc.stdout.strip()
