@@ -18,7 +18,7 @@ MAX_NEW = 40
 
 
 def hf_greedy(folder: Path, prompt: list[int], max_new: int, eos: int | None = None) -> list[int]:
-    model = Qwen2ForCausalLM.from_pretrained(folder, torch_dtype=torch.float64).eval()
+    model = Qwen2ForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
     out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
                          eos_token_id=eos, pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
     return out[0, len(prompt):].tolist()

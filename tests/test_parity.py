@@ -22,7 +22,7 @@ CONFIGS = {
 def test_prefill_and_cached_decode_match_transformers(tmp_path, name):
     folder = write_model(tmp_path / name, CONFIGS[name], seed=3)
     ours = load_model(folder, dtype=torch.float64).model
-    ref = Qwen2ForCausalLM.from_pretrained(folder, torch_dtype=torch.float64).eval()
+    ref = Qwen2ForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
     ids = torch.randint(0, 96, (1, 23), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = ref(ids).logits
