@@ -1,51 +1,34 @@
-"""Shared fixtures: tiny random Qwen2 checkpoints written to disk in float64."""
+"""Shared fixtures: checkpoints written once per session (float64 weights)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from failfast.model import ModelConfig, Transformer
-from failfast.model.checkpoint import save_model
-
-
-def tiny_config(**overrides) -> ModelConfig:
-    base = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                rope_theta=10000.0, tie_word_embeddings=False, eos_token_ids=(1,))
-    base.update(overrides)
-    return ModelConfig(**base)
-
-
-def random_model(cfg: ModelConfig, seed: int, scale: float = 0.5) -> Transformer:
-    """A random model whose logits are spread enough that greedy choices are not near-ties."""
-    torch.manual_seed(seed)
-    model = Transformer(cfg).to(torch.float64)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            else:
-                p.copy_(scale * torch.randn_like(p) / p.shape[-1] ** 0.5 if p.dim() > 1 else 0.1 * torch.randn_like(p))
-    return model.eval()
-
-
-def write_model(folder: Path, cfg: ModelConfig, seed: int) -> Path:
-    save_model(random_model(cfg, seed), folder)
-    return folder
-
-
-def set_eos(folder: Path, eos: int | None) -> None:
-    """Rewrite a checkpoint's end-of-sequence id in place."""
-    cfg_path = folder / "config.json"
-    raw = json.loads(cfg_path.read_text())
-    raw["eos_token_id"] = eos
-    cfg_path.write_text(json.dumps(raw))
+from tests.helpers import tiny_config, write_model
+from tests.synthetic import BLOCK, train_pair
 
 
 @pytest.fixture
 def target_dir(tmp_path: Path) -> Path:
     return write_model(tmp_path / "target", tiny_config(), seed=0)
+
+
+@pytest.fixture(scope="session")
+def random_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("random")
+    target = write_model(root / "target", tiny_config(eos_token_ids=()), seed=0)
+    return {
+        "target": target,
+        "self": target,  # AR drafter sharing the target's weights: full acceptance
+        "random-ar": write_model(root / "ar", tiny_config(eos_token_ids=()), seed=7),
+        "random-dllm": write_model(root / "dllm", tiny_config(eos_token_ids=(), mask_token_id=95, block_size=BLOCK,
+                                                              sub_block_size=4), seed=9),
+    }
+
+
+@pytest.fixture(scope="session")
+def trained_pair(tmp_path_factory) -> tuple[Path, Path]:
+    return train_pair(tmp_path_factory.mktemp("trained"))
+

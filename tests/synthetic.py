@@ -15,7 +15,7 @@ from failfast.model import Transformer
 from failfast.model.checkpoint import save_model
 from failfast.train.loop import TrainSettings, train
 from failfast.train.objectives import ar_loss, block_diffusion_loss
-from tests.conftest import tiny_config
+from tests.helpers import tiny_config
 
 CYCLE = 40          # tokens 0..39 form the cycle
 MASK_ID = 47        # outside the cycle, inside the vocabulary

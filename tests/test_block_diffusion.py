@@ -8,7 +8,7 @@ import torch
 from failfast import BlockDiffusionDrafter, load_model
 from failfast.model.transformer import attention_mask
 from failfast.train.objectives import block_diffusion_layout_mask
-from tests.conftest import tiny_config, write_model
+from tests.helpers import tiny_config, write_model
 
 B, S, MASK = 8, 4, 95
 

@@ -11,7 +11,7 @@ import torch
 from failfast import (CheckpointError, FailFast, Fixed, GenerationInputError, IncompatibleModelsError,
                       PolicyError, SpeculativeEngine, load_model, make_drafter)
 from failfast.cli import main
-from tests.conftest import tiny_config, write_model
+from tests.helpers import tiny_config, write_model
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from failfast import FailFast, Fixed, SpeculativeEngine, load_model, make_drafter
-from tests.conftest import set_eos, tiny_config, write_model
-from tests.synthetic import BLOCK, train_pair
+from tests.helpers import copy_checkpoint, prompt_of, set_eos
+from tests.synthetic import BLOCK
 
 POLICIES = [Fixed(1), Fixed(4), Fixed(11), FailFast(), FailFast(tau=0.0, chunk=3, max_draft=20)]
 PROMPT_LENGTHS = [1, 2, 7, 8, 9, 16, 17, 30]  # drafter block size is 8
@@ -22,28 +22,6 @@ def hf_greedy(folder: Path, prompt: list[int], max_new: int, eos: int | None = N
     out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
                          eos_token_id=eos, pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
     return out[0, len(prompt):].tolist()
-
-
-@pytest.fixture(scope="module")
-def random_models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("random")
-    target = write_model(root / "target", tiny_config(eos_token_ids=()), seed=0)
-    return {
-        "target": target,
-        "self": target,  # AR drafter sharing the target's weights: full acceptance
-        "random-ar": write_model(root / "ar", tiny_config(eos_token_ids=()), seed=7),
-        "random-dllm": write_model(root / "dllm", tiny_config(eos_token_ids=(), mask_token_id=95, block_size=BLOCK,
-                                                              sub_block_size=4), seed=9),
-    }
-
-
-@pytest.fixture(scope="module")
-def trained_pair(tmp_path_factory) -> tuple[Path, Path]:
-    return train_pair(tmp_path_factory.mktemp("trained"))
-
-
-def prompt_of(length: int, seed: int = 0) -> list[int]:
-    return torch.randint(2, 90, (length,), generator=torch.Generator().manual_seed(seed + length)).tolist()
 
 
 @pytest.mark.parametrize("drafter_name", ["self", "random-ar", "random-dllm"])
@@ -94,10 +72,7 @@ def test_eos_inside_a_draft(trained_pair, tmp_path):
     target_dir, drafter_dir = trained_pair
     prompt = list(range(3, 8))
     eos = 20  # the counting sequence reaches it 13 tokens after the prompt
-    folder = tmp_path / "target-eos"
-    folder.mkdir()
-    for f in target_dir.iterdir():
-        (folder / f.name).write_bytes(f.read_bytes())
+    folder = copy_checkpoint(target_dir, tmp_path / "target-eos")
     set_eos(folder, eos)
     expected = hf_greedy(folder, prompt, 60, eos=eos)
     assert expected[-1] == eos and len(expected) < 60

@@ -7,7 +7,7 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from failfast.model import load_model
-from tests.conftest import tiny_config, write_model
+from tests.helpers import tiny_config, write_model
 
 CONFIGS = {
     "gqa-untied": tiny_config(),

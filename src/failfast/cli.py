@@ -12,6 +12,7 @@ import torch
 from failfast.errors import FailfastError, GenerationInputError
 from failfast.pipeline import Pipeline
 from failfast.policies import FailFast, Fixed, Policy
+from failfast.verify import SamplingParams
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
@@ -40,8 +41,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     pipe = Pipeline.load(args.target, args.drafter if policy else None, policy,
                          unmask_threshold=args.unmask_threshold, dtype=DTYPES[args.dtype], device=args.device)
     prompt = args.prompt if args.prompt is not None else _prompt_ids(args.prompt_ids)
-    result = pipe.generate(prompt, args.max_new_tokens)
-    text = pipe.decode(result.token_ids)
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    result = pipe.generate(prompt, args.max_new_tokens, sampling, args.stop)
+    text = result.text
     if args.json:
         print(json.dumps({"token_ids": result.token_ids, "text": text, "stop_reason": result.stop_reason,
                           "stats": result.stats.to_dict()}))
@@ -98,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="prompt text (needs the target's tokenizer.json)")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
     g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    g.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0, help="same seed, same tokens (with or without a drafter)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); output ends before it")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     g.add_argument("--device", default="cpu")
     g.add_argument("--json", action="store_true", help="print one JSON object")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -16,14 +17,16 @@ from failfast.errors import GenerationInputError
 from failfast.model import LoadedModel
 from failfast.policies import Policy
 from failfast.stats import GenerationStats, RoundStats
+from failfast.stopping import StopStrings
 from failfast.verify import Sampler, SamplingParams, verify_draft
 
 
 @dataclass
 class GenerationResult:
     token_ids: list[int]  # generated ids only; ends with EOS when generation stopped on one
-    stop_reason: str      # "eos" or "length"
+    stop_reason: str      # "eos", "stop" (a stop string) or "length"
     stats: GenerationStats
+    text: str | None = None  # decoded output (cut exactly before a stop string); None without a tokenizer
 
 
 class SpeculativeEngine:
@@ -66,10 +69,19 @@ class SpeculativeEngine:
             confs += new_confs
         return tokens, confs
 
+    def _stop_strings(self, stop: Sequence[str]) -> StopStrings | None:
+        if not stop:
+            return None
+        if self.target.tokenizer is None:
+            raise GenerationInputError("stop strings need the target's tokenizer.json")
+        return StopStrings(stop, self.target.tokenizer.decode)
+
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int,
-                 sampling: SamplingParams | None = None) -> GenerationResult:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
+                 stop: Sequence[str] = ()) -> GenerationResult:
+        """Exactly the target's continuation of `prompt_ids` (greedy, or sampled with a seed)."""
         self._check_request(prompt_ids, max_new_tokens)
+        stops = self._stop_strings(stop)
         sampler = Sampler(sampling)
         eos = set(self.target.config.eos_token_ids)
         model = self.target.model
@@ -85,7 +97,8 @@ class SpeculativeEngine:
             stats.target_forwards += 1
         generated: list[int] = []
         stop_reason = "length"
-        while len(generated) < max_new_tokens:
+        stop_text = None
+        while len(generated) < max_new_tokens and stop_reason == "length":
             t0 = time.perf_counter()
             forwards_before = self.drafter.forwards if self.drafter else 0
             draft, confs = self._draft(committed, max_new_tokens - len(generated) - 1)
@@ -108,8 +121,12 @@ class SpeculativeEngine:
                     break
                 if len(generated) == max_new_tokens:
                     break
-            if stop_reason == "eos":
-                break
+            if stops is not None and (hit := stops.find(generated)) is not None:
+                keep, stop_text = hit
+                del generated[keep:]
+                stop_reason = "stop"
         stats.tokens = len(generated)
         stats.wall_s = time.perf_counter() - t_start
-        return GenerationResult(generated, stop_reason, stats)
+        tokenizer = self.target.tokenizer
+        text = stop_text if stop_text is not None else tokenizer.decode(generated) if tokenizer else None
+        return GenerationResult(generated, stop_reason, stats, text)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -68,10 +69,7 @@ class Pipeline:
             raise GenerationInputError(f"{self.target.path} has no tokenizer.json; pass token ids")
         return self.target.tokenizer.encode(text)
 
-    def decode(self, ids: list[int]) -> str | None:
-        return None if self.target.tokenizer is None else self.target.tokenizer.decode(ids)
-
-    def generate(self, prompt: str | list[int], max_new_tokens: int,
-                 sampling: SamplingParams | None = None) -> GenerationResult:
+    def generate(self, prompt: str | list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
+                 stop: Sequence[str] = ()) -> GenerationResult:
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return self.engine.generate(ids, max_new_tokens, sampling)
+        return self.engine.generate(ids, max_new_tokens, sampling, stop)
