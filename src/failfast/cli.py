@@ -1,4 +1,4 @@
-"""The `failfast` command: generate, train."""
+"""The `failfast` command: generate, demo, bench, train."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from failfast.embedded import DEFAULT_DRAFTER, DEFAULT_TARGET
 from failfast.errors import FailfastError, GenerationInputError
 from failfast.pipeline import Pipeline
 from failfast.policies import FailFast, Fixed, Policy
@@ -16,6 +17,15 @@ from failfast.verify import SamplingParams
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
+
+
+def _apply_model_defaults(args: argparse.Namespace) -> None:
+    """No model flags: the embedded target, with the embedded block-diffusion drafter unless
+    plain AR decoding is asked for. A user's own target gets no default drafter."""
+    if args.target is None:
+        args.target = DEFAULT_TARGET
+        if args.drafter is None and args.policy != "ar":
+            args.drafter = DEFAULT_DRAFTER
 
 
 def _policy(args: argparse.Namespace) -> Policy | None:
@@ -37,6 +47,7 @@ def _prompt_ids(text: str) -> list[int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    _apply_model_defaults(args)
     policy = _policy(args)
     pipe = Pipeline.load(args.target, args.drafter if policy else None, policy,
                          unmask_threshold=args.unmask_threshold, dtype=DTYPES[args.dtype], device=args.device)
@@ -54,6 +65,65 @@ def cmd_generate(args: argparse.Namespace) -> int:
           f"{s.tokens_per_round:.2f} tokens/round; drafted {s.drafted}, accepted {s.accepted} "
           f"({100 * s.acceptance_rate:.0f}%); drafter passes {s.drafter_forwards}; stop: {result.stop_reason}]",
           file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The embedded default end to end: FailFast vs plain AR on one prompt, both live."""
+    from failfast.bench.timing import interleaved_runs, median
+    from failfast.engine import SpeculativeEngine
+
+    pipe = Pipeline.load(DEFAULT_TARGET, DEFAULT_DRAFTER, FailFast())
+    prompt = pipe.encode(args.prompt)
+    plain = SpeculativeEngine(pipe.target)
+    times, outputs = interleaved_runs({
+        "plain AR": lambda: plain.generate(prompt, args.max_new_tokens),
+        "FailFast": lambda: pipe.engine.generate(prompt, args.max_new_tokens),
+    }, repeats=args.repeats)
+    ar, ff = outputs["plain AR"], outputs["FailFast"]
+    if ar.token_ids != ff.token_ids:
+        raise FailfastError("FailFast output differs from plain AR output: this is a bug, please report it")
+    print(args.prompt + ff.text)
+    t_ar, t_ff = median(times["plain AR"]), median(times["FailFast"])
+    s = ff.stats
+    print(f"\nplain AR: {ar.stats.tokens / t_ar:.1f} tok/s | FailFast: {s.tokens / t_ff:.1f} tok/s | "
+          f"speedup {t_ar / t_ff:.2f}x (median of {args.repeats} interleaved runs, tokens identical)\n"
+          f"FailFast committed {s.tokens_per_round:.2f} tokens per target forward; drafted {s.drafted}, "
+          f"accepted {s.accepted}, drafter passes {s.drafter_forwards}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from failfast.bench.datasets import load_dataset
+    from failfast.bench.methods import MethodFactory, default_methods
+    from failfast.bench.report import write_report
+    from failfast.bench.runner import BASELINE, run_bench
+    from failfast.embedded import resolve_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.quick:
+        args.prompts, args.max_new_tokens, args.repeats = args.prompts or 2, 32, 1
+    specs = default_methods()
+    if args.methods:
+        wanted = {BASELINE, *args.methods.split(",")}
+        unknown = wanted - {s.name for s in specs}
+        if unknown:
+            raise GenerationInputError(f"unknown methods: {', '.join(sorted(unknown))} "
+                                       f"(choose from {', '.join(s.name for s in specs)})")
+        specs = [s for s in specs if s.name in wanted]
+    prompts = load_dataset(args.dataset, args.prompts)
+    factory = MethodFactory(resolve_model(args.target), resolve_model(args.ar_drafter),
+                            resolve_model(args.dllm_drafter))
+    results = run_bench(factory, specs, prompts, args.max_new_tokens, args.repeats)
+    meta = {"dataset": args.dataset, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+            "repeats": args.repeats, "threads": torch.get_num_threads(),
+            "command": "failfast bench " + " ".join(sys.argv[2:])}
+    out = Path(args.out)
+    write_report(results, [s.name for s in specs], meta, out, factory.target.tokenizer,
+                 {p.id: p.text for p in prompts})
+    print((out / "results.md").read_text())
+    print(f"all methods lossless; results in {out}/")
     return 0
 
 
@@ -87,8 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="complete a prompt, exactly as the target would")
-    g.add_argument("--target", required=True, help="target model folder")
-    g.add_argument("--drafter", help="drafter model folder (AR or block diffusion)")
+    g.add_argument("--target", help=f"target model folder or embedded name (default: {DEFAULT_TARGET})")
+    g.add_argument("--drafter", help="drafter folder or embedded name, AR or block diffusion "
+                                     f"(default with the embedded target: {DEFAULT_DRAFTER})")
     g.add_argument("--policy", choices=["ar", "fixed", "failfast"],
                    help="draft-length policy (default: failfast with a drafter, else plain ar)")
     g.add_argument("--k", type=int, default=5, help="draft length for --policy fixed")
@@ -109,6 +180,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="cpu")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("demo", help="embedded models: complete a prompt, print FailFast's speedup over plain AR")
+    d.add_argument("--prompt", default="def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
+    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--repeats", type=int, default=3)
+    d.set_defaults(func=cmd_demo)
+
+    b = sub.add_parser("bench", help="every method side by side: speed, acceptance, losslessness")
+    b.add_argument("--dataset", default="humaneval", help="humaneval, heldout, or a JSONL file of prompts")
+    b.add_argument("--prompts", type=int, help="number of prompts (default: all)")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--repeats", type=int, default=3, help="timed repeats per prompt (median)")
+    b.add_argument("--methods", help="comma-separated subset (plain AR 'ar' is always included)")
+    b.add_argument("--out", default="bench-out", help="output folder")
+    b.add_argument("--quick", action="store_true", help="smoke run: 2 prompts, 32 new tokens, 1 repeat")
+    b.add_argument("--target", default=DEFAULT_TARGET)
+    b.add_argument("--ar-drafter", default="ar-drafter")
+    b.add_argument("--dllm-drafter", default=DEFAULT_DRAFTER)
+    b.add_argument("--threads", type=int, help="torch CPU threads")
+    b.set_defaults(func=cmd_bench)
 
     t = sub.add_parser("train", help="train the embedded models (data, ar, diffusion stages)")
     t.add_argument("stage", choices=["data", "ar", "diffusion"])

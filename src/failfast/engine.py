@@ -65,6 +65,8 @@ class SpeculativeEngine:
         self.drafter.begin(committed)
         while (want := min(self.policy.request(confs), budget - len(tokens))) > 0:
             new, new_confs = self.drafter.draft(want)
+            if not new:  # the drafter has nothing more to propose
+                break
             tokens += new
             confs += new_confs
         return tokens, confs

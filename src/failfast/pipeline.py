@@ -9,6 +9,7 @@ from typing import Sequence
 import torch
 
 from failfast.drafters import ARDrafter, BlockDiffusionDrafter, Drafter
+from failfast.embedded import resolve_model
 from failfast.engine import GenerationResult, SpeculativeEngine
 from failfast.errors import GenerationInputError, IncompatibleModelsError
 from failfast.model import LoadedModel, load_model
@@ -47,7 +48,11 @@ def make_drafter(target: LoadedModel, drafter: LoadedModel, unmask_threshold: fl
 
 @dataclass
 class Pipeline:
-    """A ready-to-use generator: `Pipeline.load(target_dir, drafter_dir, policy).generate(...)`."""
+    """A ready-to-use generator: `Pipeline.load(target, drafter, policy).generate(...)`.
+
+    `target` and `drafter` are checkpoint folders or embedded model names
+    ("target", "ar-drafter", "dllm-drafter").
+    """
 
     target: LoadedModel
     engine: SpeculativeEngine
@@ -56,12 +61,12 @@ class Pipeline:
     def load(cls, target: str | Path, drafter: str | Path | None = None, policy: Policy | None = None, *,
              unmask_threshold: float = 0.05, dtype: torch.dtype = torch.float32,
              device: str = "cpu") -> "Pipeline":
-        tgt = load_model(target, dtype=dtype, device=device)
+        tgt = load_model(resolve_model(target), dtype=dtype, device=device)
         if drafter is None:
             return cls(tgt, SpeculativeEngine(tgt))
         if policy is None:
             raise GenerationInputError("a drafter needs a policy (Fixed or FailFast)")
-        drf = make_drafter(tgt, load_model(drafter, dtype=dtype, device=device), unmask_threshold)
+        drf = make_drafter(tgt, load_model(resolve_model(drafter), dtype=dtype, device=device), unmask_threshold)
         return cls(tgt, SpeculativeEngine(tgt, drf, policy))
 
     def encode(self, text: str) -> list[int]:

@@ -1,0 +1,94 @@
+"""Copy trained models from runs/ into the package with model cards (16-bit weights).
+
+    python scripts/ship_models.py [--runs runs] [--evaluation runs/evaluation.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+from pathlib import Path
+
+from failfast import load_model
+from failfast.embedded import CORPUS_MANIFEST, MODELS_DIR
+
+STAGES = {
+    "target": ("target", "AR target", "make models  # stage: failfast train ar --size target ..."),
+    "ar-drafter": ("drafter-ar", "AR drafter (classic speculative-decoding baseline)",
+                   "make models  # stage: failfast train ar --size drafter ..."),
+    "dllm-drafter": ("drafter-dllm", "block-diffusion drafter converted from the AR drafter (Fast-dLLM v2 recipe)",
+                     "make models  # stage: failfast train diffusion --init runs/drafter-ar ..."),
+}
+FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
+def card(name: str, title: str, command: str, run: Path, manifest: dict, evaluation: dict | None) -> str:
+    report = json.loads((run / "training.json").read_text())
+    loaded = load_model(run)
+    cfg = loaded.config
+    params = sum(p.numel() for p in loaded.model.parameters())
+    s = report["settings"]
+    lines = [
+        f"# failfast embedded model: {name}",
+        "",
+        f"{title}. Qwen2 architecture, trained from scratch by failfast on CPU.",
+        "",
+        "| | |", "|---|---|",
+        f"| parameters | {params / 1e6:.2f}M (tied input/output embeddings) |",
+        f"| shape | {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, MLP {cfg.intermediate_size}, "
+        f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads, context {cfg.max_position_embeddings} |",
+        f"| vocabulary | {cfg.vocab_size} (byte-level BPE on the corpus; `<|endoftext|>` id {cfg.eos_token_ids[0]}, "
+        f"`<|mask|>` id {loaded.tokenizer.token_id('<|mask|>')}) |",
+    ]
+    if cfg.block_size:
+        lines.append(f"| block diffusion | block size {cfg.block_size}, sub-block {cfg.sub_block_size}, "
+                     f"mask token id {cfg.mask_token_id} |")
+    lines += [
+        f"| data | Python {platform.python_version()} standard library source: {manifest['train_files']} files, "
+        f"{manifest['train_tokens']:,} tokens; {len(manifest['held_out_files'])} files "
+        f"({manifest['held_out_tokens']:,} tokens) held out by path hash |",
+        f"| training | {report['steps']} steps x batch {s['batch_size']} x {s['seq_len']} tokens = "
+        f"{report['tokens_seen']:,} tokens seen; AdamW, peak lr {s['lr']}, warm-up {s['warmup']}, cosine, seed {s['seed']} |",
+        f"| final train loss | {report['final_train_loss']:.3f} (mean of the last 20 steps) |",
+        f"| held-out loss | {report['held_out_loss']:.3f} |",
+        f"| wall time | {report['wall_s_this_run'] / 60:.1f} min on a 2-core CPU (last run of the stage) |",
+        "| weights | float16 safetensors |",
+        "",
+        f"Reproduce: `{command}` (see the Makefile for the exact flags of every stage).",
+    ]
+    if evaluation and name == "target":
+        lines += ["", "## Held-out evaluation (`python scripts/evaluate_embedded.py`)", "",
+                  f"- held-out loss: {evaluation['target_held_out_loss']:.3f} nats/token",
+                  f"- greedy FailFast with the embedded block-diffusion drafter on {evaluation['functions']} held-out "
+                  f"stdlib functions ({evaluation['max_new_tokens']} new tokens): "
+                  f"{evaluation['failfast_tokens_per_target_forward']:.2f} tokens committed per target forward",
+                  f"- repeated 4-grams in the target's own greedy output: "
+                  f"{100 * evaluation['target_repeated_4gram_share']:.1f}%"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=Path, default=Path("runs"))
+    parser.add_argument("--evaluation", type=Path)
+    args = parser.parse_args()
+    manifest = json.loads((args.runs / "data" / "manifest.json").read_text())
+    manifest.pop("corpus_root", None)
+    manifest["python_version"] = platform.python_version()
+    evaluation = json.loads(args.evaluation.read_text()) if args.evaluation else None
+    MODELS_DIR.mkdir(exist_ok=True)
+    CORPUS_MANIFEST.write_text(json.dumps(manifest, indent=1) + "\n")
+    for name, (run_name, title, command) in STAGES.items():
+        run = args.runs / run_name
+        dest = MODELS_DIR / name
+        dest.mkdir(exist_ok=True)
+        for f in FILES:
+            shutil.copy(run / f, dest / f)
+        (dest / "README.md").write_text(card(name, title, command, run, manifest, evaluation))
+        print(f"shipped {run} -> {dest}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Benchmarking: datasets, interleaved timing, method runners and reports."""

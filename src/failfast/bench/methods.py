@@ -1,0 +1,129 @@
+"""Every decoding method the benchmark compares, all on the same target.
+
+A method turns (prompt ids, max new tokens, plain-AR reference) into a `MethodOutput`.
+The reference is used only by the oracle, which drafts the target's own continuation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from failfast.drafters import ARDrafter, BlockDiffusionDrafter
+from failfast.drafters.oracle import OracleDrafter
+from failfast.engine import SpeculativeEngine
+from failfast.model import LoadedModel, load_model
+from failfast.pipeline import check_vocabularies
+from failfast.policies import FailFast, Fixed, Policy
+from failfast.stats import GenerationStats
+
+
+@dataclass
+class MethodOutput:
+    token_ids: list[int]
+    stats: GenerationStats | None  # None for transformers methods (no internals exposed)
+
+
+Runner = Callable[[list[int], int, list[int]], MethodOutput]
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    kind: str                      # ar | hf | hf-assisted | ar-drafter | dllm-drafter | oracle
+    policy: Policy | None = None
+    unmask_threshold: float = 0.05
+    schedule: str | None = None    # transformers assisted generation schedule
+
+
+def default_methods() -> list[MethodSpec]:
+    ff = FailFast()
+    return [
+        MethodSpec("ar", "ar"),
+        MethodSpec("hf-generate", "hf"),
+        MethodSpec("hf-assisted", "hf-assisted"),
+        MethodSpec("hf-assisted-heuristic", "hf-assisted", schedule="heuristic"),
+        MethodSpec("ar-fixed-4", "ar-drafter", Fixed(4)),
+        MethodSpec("ar-fixed-8", "ar-drafter", Fixed(8)),
+        MethodSpec("ar-dynamic", "ar-drafter", ff),
+        MethodSpec("dllm-fixed-5", "dllm-drafter", Fixed(5)),
+        MethodSpec("dllm-fixed-10", "dllm-drafter", Fixed(10)),
+        MethodSpec("dllm-fixed-20", "dllm-drafter", Fixed(20)),
+        MethodSpec("failfast", "dllm-drafter", ff),
+        MethodSpec("failfast-tau0.3", "dllm-drafter", FailFast(tau=0.3)),
+        MethodSpec("failfast-tau0.6", "dllm-drafter", FailFast(tau=0.6)),
+        MethodSpec("failfast-N5", "dllm-drafter", FailFast(chunk=5)),
+        MethodSpec("failfast-N20", "dllm-drafter", FailFast(chunk=20)),
+        MethodSpec("failfast-Nmax30", "dllm-drafter", FailFast(max_draft=30)),
+        MethodSpec("failfast-u0.3", "dllm-drafter", ff, unmask_threshold=0.3),
+        MethodSpec("oracle", "oracle", Fixed(60)),
+    ]
+
+
+class MethodFactory:
+    """Loads each model once and builds runners that share them."""
+
+    def __init__(self, target: Path, ar_drafter: Path, dllm_drafter: Path) -> None:
+        self.paths = {"target": target, "ar": ar_drafter, "dllm": dllm_drafter}
+        self.target = load_model(target)
+        self._loaded: dict[str, LoadedModel] = {}
+        self._hf: dict[str, torch.nn.Module] = {}
+
+    def _drafter_model(self, which: str) -> LoadedModel:
+        if which not in self._loaded:
+            self._loaded[which] = load_model(self.paths[which])
+            check_vocabularies(self.target, self._loaded[which])
+        return self._loaded[which]
+
+    def _hf_model(self, which: str) -> torch.nn.Module:
+        if which not in self._hf:
+            from transformers import Qwen2ForCausalLM
+            self._hf[which] = Qwen2ForCausalLM.from_pretrained(self.paths[which], dtype=torch.float32).eval()
+        return self._hf[which]
+
+    def _hf_runner(self, assistant: torch.nn.Module | None, schedule: str | None) -> Runner:
+        model = self._hf_model("target")
+        eos = list(self.target.config.eos_token_ids) or None
+
+        def run(prompt: list[int], max_new: int, reference: list[int]) -> MethodOutput:
+            ids = torch.tensor([prompt])
+            kwargs = {}
+            if assistant is not None:
+                assistant.generation_config.num_assistant_tokens_schedule = schedule or "constant"
+                assistant.generation_config.num_assistant_tokens = 20
+                kwargs["assistant_model"] = assistant
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                                     do_sample=False, eos_token_id=eos, pad_token_id=eos[0] if eos else 0, **kwargs)
+            return MethodOutput(out[0, len(prompt):].tolist(), None)
+        return run
+
+    def runner(self, spec: MethodSpec) -> Runner:
+        limit = self.target.config.vocab_size
+        if spec.kind == "hf":
+            return self._hf_runner(None, None)
+        if spec.kind == "hf-assisted":
+            return self._hf_runner(self._hf_model("ar"), spec.schedule)
+        if spec.kind == "ar":
+            engine = SpeculativeEngine(self.target)
+        elif spec.kind == "ar-drafter":
+            engine = SpeculativeEngine(self.target, ARDrafter(self._drafter_model("ar"), limit), spec.policy)
+        elif spec.kind == "dllm-drafter":
+            drafter = BlockDiffusionDrafter(self._drafter_model("dllm"), limit, spec.unmask_threshold)
+            engine = SpeculativeEngine(self.target, drafter, spec.policy)
+        elif spec.kind == "oracle":
+            def run_oracle(prompt: list[int], max_new: int, reference: list[int]) -> MethodOutput:
+                oracle = SpeculativeEngine(self.target, OracleDrafter(len(prompt), reference), spec.policy)
+                result = oracle.generate(prompt, max_new)
+                return MethodOutput(result.token_ids, result.stats)
+            return run_oracle
+        else:
+            raise ValueError(f"unknown method kind {spec.kind!r}")
+
+        def run(prompt: list[int], max_new: int, reference: list[int]) -> MethodOutput:
+            result = engine.generate(prompt, max_new)
+            return MethodOutput(result.token_ids, result.stats)
+        return run
