@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv test clean models
+.PHONY: venv test clean models ship-models demo
 
 $(VENV)/.installed: pyproject.toml
 	rm -rf $(VENV)
@@ -32,3 +32,13 @@ models: venv
 	$(TRAIN) ar --size drafter --data $(RUNS)/data --out $(RUNS)/drafter-ar --steps 1000 --batch-size 16 --seq-len 256 --lr 2e-3 --resume
 	$(TRAIN) diffusion --init $(RUNS)/drafter-ar --data $(RUNS)/data --out $(RUNS)/drafter-dllm --steps 300 --batch-size 16 --seq-len 256 --lr 1e-3 --block-size 32 --sub-block-size 8 --resume
 	$(TRAIN) ar --size target --data $(RUNS)/data --out $(RUNS)/target --steps 700 --batch-size 16 --seq-len 256 --lr 1.5e-3 --resume
+
+# Copy the trained models into the package with model cards (after `make models`).
+ship-models: venv
+	$(PY) scripts/ship_models.py --runs $(RUNS)
+	$(PY) scripts/evaluate_embedded.py --out $(RUNS)/evaluation.json
+	$(PY) scripts/ship_models.py --runs $(RUNS) --evaluation $(RUNS)/evaluation.json
+
+# The main job on the embedded default: complete a prompt, print FailFast's live speedup.
+demo: venv
+	$(VENV)/bin/failfast demo

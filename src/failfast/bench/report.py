@@ -130,37 +130,48 @@ def write_plots(results: list[PromptResult], summary: list[dict[str, Any]], out:
     return ["speedup.png", "accepted_cdf.png", "acceptance_rounds.png"]
 
 
+def _visible(text: str) -> str:
+    """Whitespace made visible, for token-by-token display."""
+    return html.escape(text.replace(" ", "\u00b7").replace("\n", "\u21b5").replace("\t", "\u2192"))
+
+
 def trajectory_html(result: PromptResult, method: str, prompt_text: str, tokenizer: Tokenizer) -> str:
-    """One generation, round by round: accepted drafts green, rejected drafts struck red,
-    the target's own token (correction or bonus) blue."""
+    """One generation, round by round: accepted drafts green, the target's own token
+    (correction or bonus) blue, and the count of rejected drafts in red."""
     out = result.outputs[method]
-    tokens, rows, pos = out.token_ids, [], 0
+    tokens, rows, inline, pos = out.token_ids, [], [], 0
     for i, rd in enumerate(out.stats.trajectory, 1):
         accepted = tokens[pos:pos + rd.accepted]
         own = tokens[pos + rd.accepted:pos + rd.accepted + 1]
-        spans = [f'<span class="acc" title="confidence {c:.2f}">{html.escape(tokenizer.decode([t]))}</span>'
+        cells = [f'<span class="acc" title="confidence {c:.2f}">{_visible(tokenizer.decode([t]))}</span>'
                  for t, c in zip(accepted, rd.confidences)]
-        spans += [f'<span class="own">{html.escape(tokenizer.decode(own))}</span>'] if own else []
+        cells += [f'<span class="own">{_visible(tokenizer.decode(own))}</span>'] if own else []
         rejected = rd.drafted - rd.accepted
-        rej = f'<span class="rej">{rejected} rejected</span>' if rejected else ""
+        rej = f' <span class="rej">{rejected} rejected</span>' if rejected else ""
         rows.append(f"<tr><td>{i}</td><td>{rd.drafted}</td><td>{rd.accepted}</td><td>{rd.drafter_forwards}</td>"
-                    f"<td class=code>{''.join(spans)} {rej}</td></tr>")
+                    f"<td class=code>{''.join(cells)}{rej}</td></tr>")
+        inline.append(f'<span class="acc" title="round {i}">{html.escape(tokenizer.decode(accepted))}</span>'
+                      f'<span class="own" title="round {i}">{html.escape(tokenizer.decode(own))}</span>')
         pos += rd.accepted + 1
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>failfast trajectory: {html.escape(result.prompt_id)}</title>
 <style>
 body {{ font-family: system-ui, sans-serif; margin: 2em; max-width: 1100px; }}
 pre, .code {{ font-family: ui-monospace, monospace; white-space: pre-wrap; }}
-table {{ border-collapse: collapse; width: 100%; }} td, th {{ border-bottom: 1px solid #ddd; padding: 4px 8px; vertical-align: top; }}
+pre {{ background: #f6f6f6; padding: 0.8em; }}
+table {{ border-collapse: collapse; width: 100%; }}
+td, th {{ border-bottom: 1px solid #ddd; padding: 4px 8px; vertical-align: top; text-align: left; }}
 .acc {{ background: #c8f7c5; }} .own {{ background: #bcd7ff; font-weight: bold; }}
 .rej {{ color: #b00020; font-size: 0.8em; }}
 </style></head><body>
 <h1>One generation with <code>{html.escape(method)}</code></h1>
-<p>Prompt <code>{html.escape(result.prompt_id)}</code>. Each row is one target forward:
-<span class="acc">accepted draft tokens</span>, then <span class="own">the target's own token</span>
-(a correction, or a bonus when the whole draft was accepted), and how many drafted tokens were rejected.</p>
-<pre>{html.escape(prompt_text)}</pre>
-<table><tr><th>round</th><th>drafted</th><th>accepted</th><th>drafter passes</th><th>committed text</th></tr>
+<p>Prompt <code>{html.escape(result.prompt_id)}</code>: {len(tokens)} tokens in {len(out.stats.trajectory)} target
+forwards. <span class="acc">Accepted draft tokens</span> are green; <span class="own">the target's own token</span>
+(a correction, or a bonus when the whole draft was accepted) is blue.</p>
+<h2>Prompt</h2><pre>{html.escape(prompt_text)}</pre>
+<h2>Generated</h2><pre>{''.join(inline)}</pre>
+<h2>Round by round</h2>
+<table><tr><th>round</th><th>drafted</th><th>accepted</th><th>drafter passes</th><th>committed tokens (\u00b7 space, \u21b5 newline)</th></tr>
 {''.join(rows)}
 </table></body></html>
 """

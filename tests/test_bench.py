@@ -1,0 +1,82 @@
+"""The benchmark: refuses non-lossless methods; the quick run writes every report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from failfast.bench.datasets import Prompt, jsonl_prompts, load_dataset
+from failfast.bench.methods import MethodFactory, MethodOutput, MethodSpec, default_methods
+from failfast.bench.runner import LosslessError, run_bench
+from failfast.cli import main
+from failfast.errors import FailfastError
+from failfast.policies import Fixed
+from tests.helpers import copy_checkpoint, write_word_tokenizer
+
+
+class CorruptingFactory(MethodFactory):
+    """Breaks one method on purpose: it changes the last generated token."""
+
+    def runner(self, spec):
+        run = super().runner(spec)
+        if spec.name != "broken":
+            return run
+
+        def broken(prompt, max_new, reference):
+            out = run(prompt, max_new, reference)
+            return MethodOutput(out.token_ids[:-1] + [(out.token_ids[-1] + 1) % 90], out.stats)
+        return broken
+
+
+@pytest.fixture
+def word_models(random_models, tmp_path):
+    folders = {}
+    for name in ("target", "random-ar", "random-dllm"):
+        folders[name] = copy_checkpoint(random_models[name], tmp_path / name)
+        write_word_tokenizer(folders[name], 96)
+    return folders
+
+
+def test_a_method_with_different_tokens_fails_the_bench(word_models):
+    factory = CorruptingFactory(word_models["target"], word_models["random-ar"], word_models["random-dllm"])
+    specs = [MethodSpec("ar", "ar"), MethodSpec("dllm-fixed-3", "dllm-drafter", Fixed(3)),
+             MethodSpec("broken", "dllm-drafter", Fixed(3))]
+    prompts = [Prompt("p0", "<5> <6> <7>")]
+    with pytest.raises(LosslessError, match="'broken' is not lossless on prompt p0"):
+        run_bench(factory, specs, prompts, max_new_tokens=12, repeats=1)
+    results = run_bench(factory, specs[:2], prompts, max_new_tokens=12, repeats=1)  # the honest ones pass
+    assert results[0].outputs["dllm-fixed-3"].token_ids == results[0].outputs["ar"].token_ids
+
+
+def test_jsonl_dataset(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"id": "a", "prompt": "def f():"}\n\n{"prompt": "x = 1"}\n')
+    assert jsonl_prompts(path) == [Prompt("a", "def f():"), Prompt("2", "x = 1")]
+    path.write_text('{"text": "no prompt field"}\n')
+    with pytest.raises(FailfastError, match='"prompt"'):
+        jsonl_prompts(path)
+    with pytest.raises(FailfastError, match="unknown dataset"):
+        load_dataset("no-such-dataset")
+
+
+def test_datasets_have_prompts():
+    humaneval = load_dataset("humaneval")
+    assert len(humaneval) == 164 and humaneval[0].text.startswith("from typing import List")
+    heldout = load_dataset("heldout", 20)
+    assert len(heldout) == 20 and all(p.text.lstrip().startswith(("def ", "async def ")) for p in heldout)
+
+
+def test_quick_bench_on_embedded_models(tmp_path):
+    out = tmp_path / "bench"
+    assert main(["bench", "--quick", "--out", str(out)]) == 0
+    report = json.loads((out / "results.json").read_text())
+    names = [m["name"] for m in report["methods"]]
+    assert names == [s.name for s in default_methods()]
+    for m in report["methods"]:
+        assert m["lossless"] is True and m["speedup_median"] > 0
+    assert "| failfast |" in (out / "results.md").read_text()
+    for png in ("speedup.png", "accepted_cdf.png", "acceptance_rounds.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = (out / "trajectory.html").read_text()
+    assert page.count("<tr>") >= 2 and 'class="acc"' in page
