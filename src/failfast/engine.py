@@ -95,7 +95,7 @@ class SpeculativeEngine:
             self.drafter.prepare(total_len)
         committed = list(prompt_ids)
         if len(committed) > 1:
-            model(torch.tensor([committed[:-1]], device=model.device), 0, cache)
+            model(torch.tensor([committed[:-1]], device=model.device), 0, cache, logits_at=slice(0, 0))
             stats.target_forwards += 1
         generated: list[int] = []
         stop_reason = "length"

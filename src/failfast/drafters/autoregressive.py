@@ -21,7 +21,7 @@ class ARDrafter(ModelDrafter):
         tokens: list[int] = []
         confs: list[float] = []
         for _ in range(count):
-            logits = self.model(self._tensor(self._pending), self.cache.length, self.cache)
+            logits = self.model(self._tensor(self._pending), self.cache.length, self.cache, logits_at=slice(-1, None))
             self.cache_ids.extend(self._pending)
             self.forwards += 1
             tok, conf = self.pick(logits[0, -1])

@@ -59,7 +59,8 @@ class BlockDiffusionDrafter(ModelDrafter):
     def _commit(self, tokens: list[int]) -> None:
         """Forward complete, known blocks into the cache; keep the boundary logits."""
         start = self.cache.length
-        logits = self.model(self._tensor(tokens), start, self.cache, block_size=self.block_size)
+        logits = self.model(self._tensor(tokens), start, self.cache, block_size=self.block_size,
+                            logits_at=slice(-1, None))
         self.cache_ids.extend(tokens)
         self.boundary = logits[0, -1]
         self.forwards += 1
@@ -73,10 +74,10 @@ class BlockDiffusionDrafter(ModelDrafter):
         end = min((first // s + 1) * s, self.block_size)
         masked = [j for j in range(first, end) if self.block[j] == self.mask_id]
         while masked:
-            logits = self.model(self._tensor(self.block), self.cache.length, self.cache,
-                                block_size=self.block_size, commit=False)
+            logits = self.model(self._tensor(self.block), self.cache.length, self.cache, block_size=self.block_size,
+                                commit=False, logits_at=[j - 1 for j in masked])  # token shift
             self.forwards += 1
-            tok, conf = self.pick(logits[0, [j - 1 for j in masked]])
+            tok, conf = self.pick(logits[0])
             chosen = (conf > self.unmask_threshold)
             chosen[conf.argmax()] = True
             for j, t, c, take in zip(masked, tok.tolist(), conf.tolist(), chosen.tolist()):

@@ -148,12 +148,14 @@ class Transformer(nn.Module):
             x = layer(x, rope, mask, cache, i, start)
         return self.model.norm(x)
 
-    def forward(self, tokens: Tensor, start: int, cache: KVCache, *,
-                block_size: int | None = None, commit: bool = True) -> Tensor:
+    def forward(self, tokens: Tensor, start: int, cache: KVCache, *, block_size: int | None = None,
+                commit: bool = True, logits_at: slice | list[int] | None = None) -> Tensor:
         """Logits for `tokens` [B, T] at positions start..start+T-1, attending to the cache.
 
         The cache must hold exactly positions [0, start). With `commit` the new K/V count as
         cached afterwards; without it they are scratch (a diffusion denoising pass).
+        `logits_at` selects the positions (indices into T) that need logits: the output head
+        is the costliest layer of a small model, so drafters ask only for what they read.
         """
         if start != cache.length:
             raise ValueError(f"forward at position {start} but the cache holds {cache.length}")
@@ -164,7 +166,8 @@ class Transformer(nn.Module):
         mask = None
         if t > 1 or block_size is not None:
             mask = attention_mask(positions, torch.arange(start + t, device=tokens.device), block_size)
-        logits = self.lm_head(self._hidden(tokens, positions, mask, cache, start))
+        hidden = self._hidden(tokens, positions, mask, cache, start)
+        logits = self.lm_head(hidden if logits_at is None else hidden[:, logits_at])
         if commit:
             cache.length = start + t
         return logits
