@@ -31,7 +31,7 @@ models: venv
 	$(TRAIN) data --out $(RUNS)/data
 	$(TRAIN) ar --size drafter --data $(RUNS)/data --out $(RUNS)/drafter-ar --steps 1000 --batch-size 16 --seq-len 256 --lr 2e-3 --resume
 	$(TRAIN) diffusion --init $(RUNS)/drafter-ar --data $(RUNS)/data --out $(RUNS)/drafter-dllm --steps 300 --batch-size 16 --seq-len 256 --lr 1e-3 --block-size 32 --sub-block-size 8 --resume
-	$(TRAIN) ar --size target --data $(RUNS)/data --out $(RUNS)/target --steps 700 --batch-size 16 --seq-len 256 --lr 1.5e-3 --resume
+	$(TRAIN) ar --size target --data $(RUNS)/data --out $(RUNS)/target --steps 1400 --batch-size 8 --seq-len 256 --lr 1.5e-3 --resume
 
 # Copy the trained models into the package with model cards (after `make models`).
 ship-models: venv
