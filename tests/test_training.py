@@ -14,7 +14,7 @@ from failfast.cli import main
 from failfast.train.corpus import CorpusError, split_corpus
 from failfast.train.data import PreparedData, prepare_data
 from failfast.train.loop import TrainSettings, train
-from failfast.train.objectives import ar_loss
+from failfast.train.objectives import ar_loss, teacher_probs
 from failfast.train.recipe import convert_to_diffusion, new_model, train_ar
 
 SOURCE = textwrap.dedent('''
@@ -125,3 +125,24 @@ def test_tokenizer_without_mask_token_is_refused(data_dir, tmp_path):
 def test_unprepared_data_folder(tmp_path):
     with pytest.raises(FailfastError, match="run `failfast train data` first"):
         PreparedData.load(tmp_path)
+
+
+def test_distillation_targets_are_the_teachers_distributions(data_dir):
+    data = PreparedData.load(data_dir)
+    model = new_model("tiny", data.tokenizer.vocab_size, 0, seed=3)
+    batch = data.train[:49][None]
+    with torch.no_grad():
+        probs = teacher_probs(model, batch)
+        entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1).mean()
+        # Cross-entropy of a model against itself as teacher is its own entropy.
+        assert float(ar_loss(model, batch, None, model)) == pytest.approx(float(entropy), rel=1e-5)
+        assert float(ar_loss(model, batch)) != pytest.approx(float(entropy), rel=1e-3)
+
+
+def test_distilled_stages_train_from_a_teacher(data_dir, tmp_path):
+    train_ar(data_dir, tmp_path / "teacher", "tiny", _settings(10))
+    student = train_ar(data_dir, tmp_path / "student", "tiny", _settings(15), teacher=tmp_path / "teacher")
+    assert student["history"][-1]["loss"] < student["history"][0]["loss"]
+    dllm = convert_to_diffusion(tmp_path / "student", data_dir, tmp_path / "dllm", _settings(10), block_size=8,
+                                sub_block_size=4, teacher=tmp_path / "teacher")
+    assert dllm["history"][-1]["loss"] < dllm["history"][0]["loss"]

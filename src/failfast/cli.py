@@ -141,12 +141,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     settings = TrainSettings(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                              warmup=min(args.warmup, max(args.steps // 10, 1)), seed=args.seed,
                              save_every=args.save_every)
+    teacher = Path(args.teacher) if args.teacher else None
     if args.stage == "ar":
-        report = train_ar(Path(args.data), Path(args.out), args.size, settings, resume=args.resume)
+        report = train_ar(Path(args.data), Path(args.out), args.size, settings, resume=args.resume, teacher=teacher)
     else:
         report = convert_to_diffusion(Path(args.init), Path(args.data), Path(args.out), settings,
                                       block_size=args.block_size, sub_block_size=args.sub_block_size,
-                                      resume=args.resume)
+                                      resume=args.resume, teacher=teacher)
     print(f"done: {report['steps']} steps, {report['tokens_seen']} tokens, train loss "
           f"{report['final_train_loss']:.3f}, held-out loss {report['held_out_loss']:.3f} -> {args.out}")
     return 0
@@ -209,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--data", help="[ar, diffusion] folder written by the data stage")
     t.add_argument("--size", default="target", help="[ar] target, drafter or tiny")
     t.add_argument("--init", help="[diffusion] AR model folder to convert")
+    t.add_argument("--teacher", help="[ar, diffusion] model folder to distil from (e.g. the trained target)")
     t.add_argument("--block-size", type=int, default=32)
     t.add_argument("--sub-block-size", type=int, default=8)
     t.add_argument("--steps", type=int, default=1000)

@@ -10,13 +10,29 @@ from failfast.model import Transformer
 from failfast.model.transformer import attention_mask
 
 
-def ar_loss(model: Transformer, tokens: Tensor, generator: torch.Generator | None = None) -> Tensor:
-    """Mean next-token cross-entropy over a batch [B, T] (`generator` unused: same signature as block diffusion)."""
-    t = tokens.shape[1]
-    pos = torch.arange(t, device=tokens.device)
-    hidden = model.hidden_masked(tokens[:, :-1], pos[:-1], attention_mask(pos[:-1], pos[:-1], None))
-    logits = model.lm_head(hidden)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+def _causal_logits(model: Transformer, tokens: Tensor) -> Tensor:
+    """Logits [B, T-1, V]: position j's output predicts token j+1."""
+    pos = torch.arange(tokens.shape[1] - 1, device=tokens.device)
+    return model.lm_head(model.hidden_masked(tokens[:, :-1], pos, attention_mask(pos, pos, None)))
+
+
+@torch.no_grad()
+def teacher_probs(teacher: Transformer, tokens: Tensor) -> Tensor:
+    """The teacher's next-token distributions [B, T-1, V] for tokens 1..T-1 of a batch.
+
+    Distilling a drafter from the target teaches it what verification checks: the
+    target's own prediction at every position, not just the corpus token.
+    """
+    return _causal_logits(teacher, tokens).float().softmax(-1)
+
+
+def ar_loss(model: Transformer, tokens: Tensor, generator: torch.Generator | None = None,
+            teacher: Transformer | None = None) -> Tensor:
+    """Mean next-token cross-entropy over a batch [B, T]; against the teacher's
+    distributions when one is given (`generator` unused: same signature as block diffusion)."""
+    logits = _causal_logits(model, tokens).float()
+    labels = tokens[:, 1:] if teacher is None else teacher_probs(teacher, tokens)
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
 
 
 def block_diffusion_layout_mask(length: int, block_size: int, device: torch.device | str = "cpu") -> Tensor:
@@ -48,12 +64,13 @@ def block_masks(batch: int, length: int, block_size: int, generator: torch.Gener
 
 
 def block_diffusion_loss(model: Transformer, tokens: Tensor, block_size: int, mask_token_id: int,
-                         generator: torch.Generator | None = None) -> Tensor:
+                         generator: torch.Generator | None = None, teacher: Transformer | None = None) -> Tensor:
     """Cross-entropy on masked positions, each sequence trained with a mask and its complement.
 
     The prediction for position j is read at j - 1 (token shift): from the noisy copy
     inside a block, from the clean copy for a block's first token (as at inference, where
-    it comes from the previous block's committed pass).
+    it comes from the previous block's committed pass). With a teacher, each masked
+    position learns the teacher's next-token distribution instead of the corpus token.
     """
     b, length = tokens.shape
     m = block_masks(b, length, block_size, generator, tokens.device)
@@ -71,4 +88,5 @@ def block_diffusion_loss(model: Transformer, tokens: Tensor, block_size: int, ma
     shifted = torch.where(starts[None, :, None], clean_out[:, :-1], noisy_out[:, :-1])
     selected = masks[:, 1:]
     logits = model.lm_head(shifted[selected])
-    return F.cross_entropy(logits.float(), clean[:, 1:][selected])
+    labels = clean[:, 1:] if teacher is None else teacher_probs(teacher, tokens).repeat(2, 1, 1)
+    return F.cross_entropy(logits.float(), labels[selected])

@@ -45,17 +45,31 @@ def new_model(size: str, vocab_size: int, eos_id: int, seed: int) -> Transformer
     return model
 
 
-def train_ar(data_dir: Path, out: Path, size: str, settings: TrainSettings, *, resume: bool = False) -> dict:
-    """Next-token pre-training of a fresh model on the prepared corpus."""
+def _teacher(path: Path | None, vocab_size: int) -> Transformer | None:
+    if path is None:
+        return None
+    teacher = load_model(path)
+    if teacher.config.vocab_size != vocab_size:
+        raise FailfastError(f"teacher {path} has vocabulary size {teacher.config.vocab_size}, the corpus "
+                            f"tokenizer {vocab_size}")
+    return teacher.model
+
+
+def train_ar(data_dir: Path, out: Path, size: str, settings: TrainSettings, *, resume: bool = False,
+             teacher: Path | None = None) -> dict:
+    """Next-token pre-training of a fresh model on the prepared corpus (distilled from a teacher if given)."""
     data = PreparedData.load(data_dir)
     eos, _ = special_ids(data.tokenizer)
     model = new_model(size, data.tokenizer.vocab_size, eos, settings.seed)
-    return train(model, ar_loss, data.train, data.held_out, settings, out, data.tokenizer,
+    t = _teacher(teacher, data.tokenizer.vocab_size)
+    loss = lambda m, batch, gen: ar_loss(m, batch, gen, t)  # noqa: E731
+    return train(model, loss, data.train, data.held_out, settings, out, data.tokenizer,
                  resume=resume, label=f"AR {size}")
 
 
 def convert_to_diffusion(init_dir: Path, data_dir: Path, out: Path, settings: TrainSettings, *,
-                         block_size: int = 32, sub_block_size: int = 8, resume: bool = False) -> dict:
+                         block_size: int = 32, sub_block_size: int = 8, resume: bool = False,
+                         teacher: Path | None = None) -> dict:
     """Fast-dLLM v2-style conversion: start from AR weights, add a mask token, train block diffusion."""
     if block_size < 1 or sub_block_size < 1 or block_size % sub_block_size:
         raise FailfastError(f"block size ({block_size}) must be a positive multiple of the "
@@ -67,6 +81,7 @@ def convert_to_diffusion(init_dir: Path, data_dir: Path, out: Path, settings: Tr
     model = Transformer(cfg)
     model.load_state_dict(ar.model.state_dict())
     model.requires_grad_(True)
-    loss = lambda m, batch, gen: block_diffusion_loss(m, batch, block_size, mask_id, gen)  # noqa: E731
+    t = _teacher(teacher, data.tokenizer.vocab_size)
+    loss = lambda m, batch, gen: block_diffusion_loss(m, batch, block_size, mask_id, gen, t)  # noqa: E731
     return train(model, loss, data.train, data.held_out, settings, out, data.tokenizer,
                  resume=resume, label="AR -> block diffusion")
