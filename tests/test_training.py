@@ -146,3 +146,14 @@ def test_distilled_stages_train_from_a_teacher(data_dir, tmp_path):
     dllm = convert_to_diffusion(tmp_path / "student", data_dir, tmp_path / "dllm", _settings(10), block_size=8,
                                 sub_block_size=4, teacher=tmp_path / "teacher")
     assert dllm["history"][-1]["loss"] < dllm["history"][0]["loss"]
+
+
+def test_train_cli_runs_every_stage(data_dir, tmp_path, capsys):
+    common = ["--data", str(data_dir), "--steps", "4", "--batch-size", "2", "--seq-len", "32", "--save-every", "2"]
+    assert main(["train", "ar", "--size", "tiny", "--out", str(tmp_path / "ar"), *common]) == 0
+    assert main(["train", "diffusion", "--init", str(tmp_path / "ar"), "--out", str(tmp_path / "dllm"),
+                 "--block-size", "8", "--sub-block-size", "4", "--teacher", str(tmp_path / "ar"), *common]) == 0
+    assert "held-out loss" in capsys.readouterr().out
+    assert load_model(tmp_path / "dllm").config.sub_block_size == 4
+    assert main(["train", "diffusion", "--init", str(tmp_path / "ar"), "--out", str(tmp_path / "bad"),
+                 "--block-size", "8", "--sub-block-size", "3", *common]) == 2
