@@ -114,10 +114,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         specs = [s for s in specs if s.name in wanted]
     prompts = load_dataset(args.dataset, args.prompts)
     factory = MethodFactory(resolve_model(args.target), resolve_model(args.ar_drafter),
-                            resolve_model(args.dllm_drafter))
+                            resolve_model(args.dllm_drafter), DTYPES[args.dtype])
     results = run_bench(factory, specs, prompts, args.max_new_tokens, args.repeats)
     meta = {"dataset": args.dataset, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-            "repeats": args.repeats, "threads": torch.get_num_threads(),
+            "repeats": args.repeats, "threads": torch.get_num_threads(), "dtype": args.dtype,
             "command": "failfast bench " + " ".join(sys.argv[2:])}
     out = Path(args.out)
     write_report(results, [s.name for s in specs], meta, out, factory.target.tokenizer,
@@ -200,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--ar-drafter", default="ar-drafter")
     b.add_argument("--dllm-drafter", default=DEFAULT_DRAFTER)
     b.add_argument("--threads", type=int, help="torch CPU threads")
+    b.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="float64 makes the token-identity check immune to rounding near-ties")
     b.set_defaults(func=cmd_bench)
 
     t = sub.add_parser("train", help="train the embedded models (data, ar, diffusion stages)")

@@ -66,22 +66,23 @@ def default_methods() -> list[MethodSpec]:
 class MethodFactory:
     """Loads each model once and builds runners that share them."""
 
-    def __init__(self, target: Path, ar_drafter: Path, dllm_drafter: Path) -> None:
+    def __init__(self, target: Path, ar_drafter: Path, dllm_drafter: Path, dtype: torch.dtype = torch.float32) -> None:
         self.paths = {"target": target, "ar": ar_drafter, "dllm": dllm_drafter}
-        self.target = load_model(target)
+        self.dtype = dtype
+        self.target = load_model(target, dtype=dtype)
         self._loaded: dict[str, LoadedModel] = {}
         self._hf: dict[str, torch.nn.Module] = {}
 
     def _drafter_model(self, which: str) -> LoadedModel:
         if which not in self._loaded:
-            self._loaded[which] = load_model(self.paths[which])
+            self._loaded[which] = load_model(self.paths[which], dtype=self.dtype)
             check_vocabularies(self.target, self._loaded[which])
         return self._loaded[which]
 
     def _hf_model(self, which: str) -> torch.nn.Module:
         if which not in self._hf:
             from transformers import Qwen2ForCausalLM
-            self._hf[which] = Qwen2ForCausalLM.from_pretrained(self.paths[which], dtype=torch.float32).eval()
+            self._hf[which] = Qwen2ForCausalLM.from_pretrained(self.paths[which], dtype=self.dtype).eval()
         return self._hf[which]
 
     def _hf_runner(self, assistant: torch.nn.Module | None, schedule: str | None) -> Runner:

@@ -65,7 +65,7 @@ def _fmt(value: Any, digits: int = 2) -> str:
 
 def markdown_table(summary: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [f"# failfast bench — {meta['dataset']}, {meta['prompts']} prompts, {meta['max_new_tokens']} new tokens",
-             "", f"{meta['date']}, {meta['machine']}; median of {meta['repeats']} interleaved repeats per prompt. "
+             "", f"{meta['date']}, {meta['machine']}, {meta.get('dtype', 'float32')}; median of {meta['repeats']} interleaved repeats per prompt. "
              "Speedup is plain AR time / method time, per prompt, then median (and geometric mean) over prompts. "
              "Cost model: the paper's A6000 latencies (6.1 ms per drafter pass; target 13.5/24.7/52.6 ms).", "",
              "| method | lossless | speedup (median) | speedup (geomean) | tok/s | tokens / target fwd | "
