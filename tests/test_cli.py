@@ -29,6 +29,17 @@ def test_generate_json_matches_the_library(target_dir, capsys):
     assert out["stats"]["accepted"] == out["stats"]["drafted"]  # self-drafting accepts everything
 
 
+def test_cost_aware_policy_from_the_cli_is_lossless(random_models, capsys):
+    target_dir, drafter_dir = random_models["target"], random_models["random-dllm"]
+    code = main(["generate", "--target", str(target_dir), "--drafter", str(drafter_dir), "--policy", "cost-aware",
+                 "--chunk", "4", "--max-draft", "16", "--prompt-ids", "5,6,7,8,9", "--max-new-tokens", "20",
+                 "--dtype", "float64", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    plain = SpeculativeEngine(load_model(target_dir, dtype=torch.float64)).generate([5, 6, 7, 8, 9], 20)
+    assert out["token_ids"] == plain.token_ids and out["stats"]["drafted"] > 0
+
+
 def test_console_script_runs_plain_ar(target_dir):
     proc = subprocess.run([sys.executable, "-m", "failfast.cli", "generate", "--target", str(target_dir),
                            "--policy", "ar", "--prompt-ids", "5,6,7", "--max-new-tokens", "4"],

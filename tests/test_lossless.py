@@ -9,10 +9,15 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from failfast import FailFast, Fixed, SpeculativeEngine, load_model, make_drafter
+from failfast.costs import CostProfile
+from failfast.policies import CostAware
 from tests.helpers import copy_checkpoint, prompt_of, set_eos
 from tests.synthetic import BLOCK
 
-POLICIES = [Fixed(1), Fixed(4), Fixed(11), FailFast(), FailFast(tau=0.0, chunk=3, max_draft=20)]
+# A CPU-like cost profile: verifying more tokens costs more, so CostAware's stops matter.
+CPU_COSTS = CostProfile(((1, 25.0), (8, 38.0), (64, 70.0)), draft_ms_per_token=0.8)
+POLICIES = [Fixed(1), Fixed(4), Fixed(11), FailFast(), FailFast(tau=0.0, chunk=3, max_draft=20),
+            CostAware(CPU_COSTS, chunk=4, max_draft=24)]
 PROMPT_LENGTHS = [1, 2, 7, 8, 9, 16, 17, 30]  # drafter block size is 8
 MAX_NEW = 40
 
@@ -54,7 +59,7 @@ def test_trained_block_diffusion_drafter_is_lossless_with_long_drafts(trained_pa
     target = load_model(target_dir, dtype=torch.float64)
     drafter = load_model(drafter_dir, dtype=torch.float64)
     expected = hf_greedy(target_dir, prompt, 90)
-    for policy in (FailFast(tau=0.45, chunk=10, max_draft=40), Fixed(20), Fixed(3)):
+    for policy in (FailFast(tau=0.45, chunk=10, max_draft=40), Fixed(20), Fixed(3), CostAware(CPU_COSTS)):
         result = SpeculativeEngine(target, make_drafter(target, drafter), policy).generate(prompt, 90)
         assert result.token_ids == expected, policy.name
     result = SpeculativeEngine(target, make_drafter(target, drafter), FailFast(0.45, 10, 40)).generate(prompt, 90)

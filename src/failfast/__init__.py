@@ -6,13 +6,14 @@ from failfast.errors import (CheckpointError, FailfastError, GenerationInputErro
                              IncompatibleModelsError, PolicyError)
 from failfast.model import LoadedModel, load_model
 from failfast.pipeline import Pipeline, make_drafter
-from failfast.policies import FailFast, Fixed, Policy
+from failfast.costs import CostProfile, measure_costs
+from failfast.policies import CostAware, FailFast, Fixed, Policy
 from failfast.stats import GenerationStats, RoundStats
 from failfast.verify import SamplingParams
 
 __all__ = [
-    "ARDrafter", "BlockDiffusionDrafter", "CheckpointError", "Drafter", "FailFast",
+    "ARDrafter", "BlockDiffusionDrafter", "CheckpointError", "CostAware", "CostProfile", "Drafter", "FailFast",
     "FailfastError", "Fixed", "GenerationInputError", "GenerationResult", "GenerationStats",
     "IncompatibleModelsError", "LoadedModel", "Pipeline", "Policy", "PolicyError", "RoundStats",
-    "SamplingParams", "SpeculativeEngine", "load_model", "make_drafter",
+    "SamplingParams", "SpeculativeEngine", "load_model", "make_drafter", "measure_costs",
 ]

@@ -12,7 +12,8 @@ import torch
 from failfast.embedded import DEFAULT_DRAFTER, DEFAULT_TARGET
 from failfast.errors import FailfastError, GenerationInputError
 from failfast.pipeline import Pipeline
-from failfast.policies import FailFast, Fixed, Policy
+from failfast.costs import measure_costs
+from failfast.policies import CostAware, FailFast, Fixed, Policy
 from failfast.verify import SamplingParams
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
@@ -36,6 +37,7 @@ def _policy(args: argparse.Namespace) -> Policy | None:
         raise GenerationInputError(f"--policy {policy} needs --drafter")
     if policy == "fixed":
         return Fixed(args.k)
+    # cost-aware starts from FailFast's settings; its costs are measured once the models load
     return FailFast(tau=args.tau, chunk=args.chunk, max_draft=args.max_draft)
 
 
@@ -52,6 +54,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     pipe = Pipeline.load(args.target, args.drafter if policy else None, policy,
                          unmask_threshold=args.unmask_threshold, dtype=DTYPES[args.dtype], device=args.device)
     prompt = args.prompt if args.prompt is not None else _prompt_ids(args.prompt_ids)
+    if args.policy == "cost-aware":
+        ids = pipe.encode(prompt) if isinstance(prompt, str) else prompt
+        costs = measure_costs(pipe.target, pipe.engine.drafter, ids)
+        pipe.engine.policy = CostAware(costs, chunk=args.chunk, max_draft=args.max_draft)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     result = pipe.generate(prompt, args.max_new_tokens, sampling, args.stop)
     text = result.text
@@ -161,12 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target", help=f"target model folder or embedded name (default: {DEFAULT_TARGET})")
     g.add_argument("--drafter", help="drafter folder or embedded name, AR or block diffusion "
                                      f"(default with the embedded target: {DEFAULT_DRAFTER})")
-    g.add_argument("--policy", choices=["ar", "fixed", "failfast"],
-                   help="draft-length policy (default: failfast with a drafter, else plain ar)")
+    g.add_argument("--policy", choices=["ar", "fixed", "failfast", "cost-aware"],
+                   help="draft-length policy (default: failfast with a drafter, else plain ar); "
+                        "cost-aware: FailFast's chunks, stopping by costs measured on this machine")
     g.add_argument("--k", type=int, default=5, help="draft length for --policy fixed")
     g.add_argument("--tau", type=float, default=0.45, help="FailFast confidence threshold")
-    g.add_argument("--chunk", type=int, default=10, help="FailFast chunk N")
-    g.add_argument("--max-draft", type=int, default=60, help="FailFast maximum draft N_max")
+    g.add_argument("--chunk", type=int, default=10, help="FailFast / cost-aware chunk N")
+    g.add_argument("--max-draft", type=int, default=60, help="FailFast / cost-aware maximum draft N_max")
     g.add_argument("--unmask-threshold", type=float, default=0.05)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the target's tokenizer.json)")

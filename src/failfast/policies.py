@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
+from failfast.costs import CostProfile
 from failfast.errors import PolicyError
 
 
@@ -59,3 +61,47 @@ class FailFast:
         if len(confidences) >= self.max_draft or min(confidences) < self.tau:
             return 0
         return min(self.chunk, self.max_draft - len(confidences))
+
+
+@dataclass(frozen=True)
+class CostAware:
+    """FailFast's chunked loop with a measured stop rule, for machines where long drafts are
+    not free to verify (CPUs).
+
+    A drafted token's confidence stands for its chance of acceptance, so the draft so far is
+    worth an expected `1 + sum_i prod_{j<=i} c_j` committed tokens. Draft another chunk only
+    if the round's expected tokens per millisecond (drafting plus verifying, from `costs`)
+    rise with it; the chunk's confidences are assumed to be the last chunk's geometric mean.
+    """
+
+    costs: CostProfile
+    chunk: int = 8
+    max_draft: int = 60
+
+    def __post_init__(self) -> None:
+        if self.chunk < 1 or self.chunk > self.max_draft:
+            raise PolicyError(f"need 1 <= chunk N <= max draft N_max, got N={self.chunk}, N_max={self.max_draft}")
+
+    @property
+    def name(self) -> str:
+        return f"cost-aware(N={self.chunk}, N_max={self.max_draft})"
+
+    def _rate(self, drafted: int, expected: float) -> float:
+        spent = drafted * self.costs.draft_ms_per_token + self.costs.verify_ms(drafted + 1)
+        return (1 + expected) / spent
+
+    def request(self, confidences: list[float]) -> int:
+        if not confidences:
+            return self.chunk
+        m = len(confidences)
+        more = min(self.chunk, self.max_draft - m)
+        if more <= 0:
+            return 0
+        expected, survive = 0.0, 1.0
+        for c in confidences:
+            survive *= c
+            expected += survive
+        recent = confidences[-self.chunk:]
+        q = math.prod(recent) ** (1 / len(recent))
+        gain = survive * sum(q ** i for i in range(1, more + 1))
+        return more if self._rate(m + more, expected + gain) > self._rate(m, expected) else 0

@@ -12,12 +12,13 @@ from typing import Callable
 
 import torch
 
-from failfast.drafters import ARDrafter, BlockDiffusionDrafter
+from failfast.costs import measure_costs
+from failfast.drafters import ARDrafter, BlockDiffusionDrafter, Drafter
 from failfast.drafters.oracle import OracleDrafter
 from failfast.engine import SpeculativeEngine
 from failfast.model import LoadedModel, load_model
 from failfast.pipeline import check_vocabularies
-from failfast.policies import FailFast, Fixed, Policy
+from failfast.policies import CostAware, FailFast, Fixed, Policy
 from failfast.stats import GenerationStats
 
 
@@ -37,6 +38,7 @@ class MethodSpec:
     policy: Policy | None = None
     unmask_threshold: float = 0.05
     schedule: str | None = None    # transformers assisted generation schedule
+    cost_aware: bool = False       # policy = CostAware with costs measured on the first prompt
 
 
 def default_methods() -> list[MethodSpec]:
@@ -59,6 +61,7 @@ def default_methods() -> list[MethodSpec]:
         MethodSpec("failfast-N20", "dllm-drafter", FailFast(chunk=20)),
         MethodSpec("failfast-Nmax30", "dllm-drafter", FailFast(max_draft=30)),
         MethodSpec("failfast-u0.3", "dllm-drafter", ff, unmask_threshold=0.3),
+        MethodSpec("failfast-cost", "dllm-drafter", cost_aware=True),
         MethodSpec("oracle", "oracle", Fixed(60)),
     ]
 
@@ -108,23 +111,26 @@ class MethodFactory:
             return self._hf_runner(None, None)
         if spec.kind == "hf-assisted":
             return self._hf_runner(self._hf_model("ar"), spec.schedule)
-        if spec.kind == "ar":
-            engine = SpeculativeEngine(self.target)
-        elif spec.kind == "ar-drafter":
-            engine = SpeculativeEngine(self.target, ARDrafter(self._drafter_model("ar"), limit), spec.policy)
+        drafter: Drafter | None = None
+        if spec.kind == "ar-drafter":
+            drafter = ARDrafter(self._drafter_model("ar"), limit)
         elif spec.kind == "dllm-drafter":
             drafter = BlockDiffusionDrafter(self._drafter_model("dllm"), limit, spec.unmask_threshold)
-            engine = SpeculativeEngine(self.target, drafter, spec.policy)
         elif spec.kind == "oracle":
             def run_oracle(prompt: list[int], max_new: int, reference: list[int]) -> MethodOutput:
                 oracle = SpeculativeEngine(self.target, OracleDrafter(len(prompt), reference), spec.policy)
                 result = oracle.generate(prompt, max_new)
                 return MethodOutput(result.token_ids, result.stats)
             return run_oracle
-        else:
+        elif spec.kind != "ar":
             raise ValueError(f"unknown method kind {spec.kind!r}")
+        engines: list[SpeculativeEngine] = []
 
         def run(prompt: list[int], max_new: int, reference: list[int]) -> MethodOutput:
-            result = engine.generate(prompt, max_new)
+            if not engines:  # built on first use: a cost-aware policy measures costs on this prompt
+                policy = (CostAware(measure_costs(self.target, drafter, prompt))
+                          if spec.cost_aware and drafter is not None else spec.policy)
+                engines.append(SpeculativeEngine(self.target, drafter, policy))
+            result = engines[0].generate(prompt, max_new)
             return MethodOutput(result.token_ids, result.stats)
         return run

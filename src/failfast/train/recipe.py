@@ -18,7 +18,7 @@ from failfast.train.tokenizer import special_ids
 # Shapes chosen by measurement on a 2-core CPU (see the model cards): the target's decode
 # step costs several drafter denoising passes, and the whole recipe fits in about 90 min.
 SIZES: dict[str, dict[str, int]] = {
-    "target": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=10,
+    "target": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=8,
                    num_attention_heads=6, num_key_value_heads=2),
     "drafter": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2),

@@ -1,0 +1,82 @@
+"""What a speculative round costs on this machine, measured: verifying k tokens, drafting one.
+
+On a GPU, verifying 60 tokens costs about as much as verifying one; on a small CPU it does
+not, so a controller that sizes drafts by cost needs the real curve. `measure_costs` times
+the target and drafter on the models and device at hand in about a second.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from statistics import median
+
+import torch
+
+from failfast.drafters import Drafter
+from failfast.model import LoadedModel
+
+VERIFY_POINTS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """Milliseconds of one target forward over k tokens (measured points, interpolated
+    linearly between them and extended linearly past the last) and of one drafted token."""
+
+    verify_points: tuple[tuple[int, float], ...]
+    draft_ms_per_token: float
+
+    def __post_init__(self) -> None:
+        ks = [k for k, _ in self.verify_points]
+        if len(ks) < 2 or ks != sorted(set(ks)) or ks[0] < 1:
+            raise ValueError("verify_points needs at least two increasing draft sizes >= 1")
+        if self.draft_ms_per_token < 0 or any(ms <= 0 for _, ms in self.verify_points):
+            raise ValueError("costs must be positive")
+
+    def verify_ms(self, k: int) -> float:
+        pts = self.verify_points
+        if k <= pts[0][0]:
+            return pts[0][1]
+        for (k0, ms0), (k1, ms1) in zip(pts, pts[1:]):
+            if k <= k1 or (k1, ms1) == pts[-1]:
+                return ms0 + (ms1 - ms0) * (k - k0) / (k1 - k0)
+        raise AssertionError("unreachable")
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * median(times)
+
+
+@torch.inference_mode()
+def measure_costs(target: LoadedModel, drafter: Drafter, prompt_ids: list[int], *,
+                  draft_tokens: int = 16, repeats: int = 3) -> CostProfile:
+    """Time target forwards of `VERIFY_POINTS` tokens after the prompt, and a `draft_tokens`
+    draft after it in steady state (the warm-up fills the drafter's cache with the prompt,
+    as earlier rounds of a generation do)."""
+    model = target.model
+    n = len(prompt_ids)
+    cache = model.new_cache(n + max(VERIFY_POINTS))
+    model(torch.tensor([prompt_ids], device=model.device), 0, cache, logits_at=slice(0, 0))
+    points = []
+    for k in VERIFY_POINTS:
+        tokens = torch.tensor([prompt_ids[-1:] * k], device=model.device)
+
+        def verify() -> None:
+            cache.rollback(n)
+            model(tokens, n, cache)
+        points.append((k, _median_ms(verify, repeats)))
+    drafter.prepare(n + draft_tokens)
+
+    def draft() -> None:
+        drafter.begin(list(prompt_ids))
+        drafted = 0
+        while drafted < draft_tokens and (new := drafter.draft(draft_tokens - drafted)[0]):
+            drafted += len(new)
+    return CostProfile(tuple(points), _median_ms(draft, repeats) / draft_tokens)

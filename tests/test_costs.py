@@ -1,0 +1,61 @@
+"""The measured cost profile and the cost-aware draft-length policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from failfast import PolicyError, load_model, make_drafter
+from failfast.costs import VERIFY_POINTS, CostProfile, measure_costs
+from failfast.policies import CostAware
+from tests.helpers import prompt_of
+
+FLAT = CostProfile(((1, 20.0), (64, 20.0)), draft_ms_per_token=0.5)       # verification is free (GPU-like)
+STEEP = CostProfile(((1, 20.0), (2, 40.0)), draft_ms_per_token=0.5)      # every verified token costs 20 ms
+
+
+def test_verify_cost_interpolates_between_points_and_extends_past_the_last():
+    p = CostProfile(((1, 10.0), (5, 30.0), (9, 34.0)), draft_ms_per_token=1.0)
+    assert p.verify_ms(1) == 10.0 and p.verify_ms(3) == 20.0 and p.verify_ms(7) == 32.0
+    assert p.verify_ms(13) == 38.0  # slope of the last segment
+    assert p.verify_ms(0) == 10.0
+
+
+@pytest.mark.parametrize("points", [((1, 10.0),), ((4, 10.0), (2, 12.0)), ((1, -1.0), (2, 3.0))])
+def test_bad_cost_profiles_are_refused(points):
+    with pytest.raises(ValueError):
+        CostProfile(points, 1.0)
+
+
+def test_confident_drafts_grow_to_the_maximum_when_verification_is_cheap():
+    policy = CostAware(FLAT, chunk=8, max_draft=20)
+    assert policy.request([]) == 8
+    assert policy.request([0.99] * 8) == 8
+    assert policy.request([0.99] * 16) == 4       # capped by N_max
+    assert policy.request([0.99] * 20) == 0
+
+
+def test_unlikely_drafts_stop():
+    assert CostAware(FLAT).request([0.9, 0.01, 0.5, 0.5]) == 0  # the survival chance is ~1%
+
+
+def test_the_same_confidences_stop_earlier_when_verification_is_expensive():
+    confs = [0.9] * 8
+    assert CostAware(FLAT).request(confs) > 0
+    assert CostAware(STEEP).request(confs) == 0
+
+
+def test_bad_chunk_is_refused():
+    with pytest.raises(PolicyError, match="chunk"):
+        CostAware(FLAT, chunk=0)
+    with pytest.raises(PolicyError, match="chunk"):
+        CostAware(FLAT, chunk=10, max_draft=5)
+
+
+def test_measure_costs_times_every_point(random_models):
+    target = load_model(random_models["target"])
+    drafter = make_drafter(target, load_model(random_models["random-dllm"]))
+    profile = measure_costs(target, drafter, prompt_of(12), repeats=1)
+    assert [k for k, _ in profile.verify_points] == list(VERIFY_POINTS)
+    assert profile.draft_ms_per_token > 0
+    assert drafter.forwards > 0
