@@ -2,7 +2,8 @@
 
 - target held-out loss (nats/token) on the held-out stdlib files;
 - greedy FailFast on held-out stdlib functions: tokens committed per target forward;
-- whether the target's own greedy output is degenerate: share of repeated 4-grams.
+- whether the target's own greedy output is degenerate: share of repeated 4-grams, next to
+  the same share in real held-out code windows of the same length (code repeats itself too).
 
     python scripts/evaluate_embedded.py [--models DIR] [--functions 40] [--max-new-tokens 128] [--out FILE]
 """
@@ -22,13 +23,17 @@ from failfast.embedded import MODELS_DIR
 from failfast.train.corpus import stdlib_root
 
 
-def held_out_loss(target, manifest: dict, window: int = 256, max_windows: int = 200) -> float:
+def held_out_stream(target, manifest: dict) -> list[int]:
     eos = target.config.eos_token_ids[0]
     ids: list[int] = []
     for rel in manifest["held_out_files"]:
         path = stdlib_root() / rel
         if path.is_file():
             ids += target.tokenizer.encode(path.read_text(encoding="utf-8", errors="replace")) + [eos]
+    return ids
+
+
+def held_out_loss(target, ids: list[int], window: int = 256, max_windows: int = 200) -> float:
     stream = torch.tensor(ids)
     n = min((stream.numel() - 1) // window, max_windows)
     total = 0.0
@@ -75,12 +80,16 @@ def main() -> None:
         tokens += got.stats.tokens
         rounds += got.stats.rounds
         repeat_shares.append(repeated_4gram_share(ref.token_ids))
+    stream = held_out_stream(target, manifest)
+    windows = [stream[i:i + args.max_new_tokens] for i in range(0, len(stream) - args.max_new_tokens,
+                                                                     args.max_new_tokens)]
     result = {
-        "target_held_out_loss": held_out_loss(target, manifest),
+        "target_held_out_loss": held_out_loss(target, stream),
         "functions": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "failfast_tokens_per_target_forward": tokens / rounds,
         "target_repeated_4gram_share": sum(repeat_shares) / len(repeat_shares),
+        "held_out_code_repeated_4gram_share": sum(map(repeated_4gram_share, windows)) / len(windows),
     }
     text = json.dumps(result, indent=1)
     print(text)

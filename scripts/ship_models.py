@@ -14,22 +14,36 @@ from pathlib import Path
 from failfast import load_model
 from failfast.embedded import CORPUS_MANIFEST, MODELS_DIR
 
+# Each shipped model: a description and the training stages that made it, in order
+# (name, runs/ folder); the last stage's folder holds the shipped weights.
 STAGES = {
-    "target": ("target", "AR target", "make models  # stage: failfast train ar --size target ..."),
-    "ar-drafter": ("drafter-ar", "AR drafter (classic speculative-decoding baseline)",
-                   "make models  # stage: failfast train ar --size drafter ..."),
-    "dllm-drafter": ("drafter-dllm", "block-diffusion drafter converted from the AR drafter (Fast-dLLM v2 recipe)",
-                     "make models  # stage: failfast train diffusion --init runs/drafter-ar ..."),
+    "target": ("AR target", [("pre-training", "target")]),
+    "ar-drafter": ("AR drafter (classic speculative-decoding baseline), distilled from the target",
+                   [("pre-training", "drafter-ar-base"), ("distillation from the target", "drafter-ar")]),
+    "dllm-drafter": ("block-diffusion drafter converted from the AR drafter (Fast-dLLM v2 recipe), "
+                     "distilled from the target",
+                     [("AR pre-training", "drafter-ar-base"), ("AR distillation from the target", "drafter-ar"),
+                      ("block-diffusion conversion, distilled from the target", "drafter-dllm")]),
 }
 FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 
-def card(name: str, title: str, command: str, run: Path, manifest: dict, evaluation: dict | None) -> str:
+def stage_row(stage: str, run: Path) -> str:
     report = json.loads((run / "training.json").read_text())
-    loaded = load_model(run)
+    s = report["settings"]
+    return (
+        f"| {stage} | {report['steps']} steps x batch {s['batch_size']} x {s['seq_len']} tokens = "
+        f"{report['tokens_seen']:,} tokens; AdamW, peak lr {s['lr']}, warm-up {s['warmup']}, cosine, seed {s['seed']}; "
+        f"final train loss {report['final_train_loss']:.3f} (mean of the last 20 steps), held-out loss "
+        f"{report['held_out_loss']:.3f}; {report['wall_s_this_run'] / 60:.1f} min on a 2-core CPU |"
+    )
+
+
+def card(name: str, title: str, stages: list[tuple[str, str]], runs: Path, manifest: dict,
+         evaluation: dict | None) -> str:
+    loaded = load_model(runs / stages[-1][1])
     cfg = loaded.config
     params = sum(p.numel() for p in loaded.model.parameters())
-    s = report["settings"]
     lines = [
         f"# failfast embedded model: {name}",
         "",
@@ -45,18 +59,16 @@ def card(name: str, title: str, command: str, run: Path, manifest: dict, evaluat
     if cfg.block_size:
         lines.append(f"| block diffusion | block size {cfg.block_size}, sub-block {cfg.sub_block_size}, "
                      f"mask token id {cfg.mask_token_id} |")
+    lines.append(f"| data | Python {platform.python_version()} standard library source: {manifest['train_files']} "
+                 f"files, {manifest['train_tokens']:,} tokens; {len(manifest['held_out_files'])} files "
+                 f"({manifest['held_out_tokens']:,} tokens) held out by path hash |")
+    for stage, run_name in stages:
+        lines.append(stage_row(stage, runs / run_name))
     lines += [
-        f"| data | Python {platform.python_version()} standard library source: {manifest['train_files']} files, "
-        f"{manifest['train_tokens']:,} tokens; {len(manifest['held_out_files'])} files "
-        f"({manifest['held_out_tokens']:,} tokens) held out by path hash |",
-        f"| training | {report['steps']} steps x batch {s['batch_size']} x {s['seq_len']} tokens = "
-        f"{report['tokens_seen']:,} tokens seen; AdamW, peak lr {s['lr']}, warm-up {s['warmup']}, cosine, seed {s['seed']} |",
-        f"| final train loss | {report['final_train_loss']:.3f} (mean of the last 20 steps) |",
-        f"| held-out loss | {report['held_out_loss']:.3f} |",
-        f"| wall time | {report['wall_s_this_run'] / 60:.1f} min on a 2-core CPU (last run of the stage) |",
         "| weights | float16 safetensors |",
         "",
-        f"Reproduce: `{command}` (see the Makefile for the exact flags of every stage).",
+        "Reproduce: `make models` (each stage is a Makefile target `runs/<stage folder>/training.json` "
+        f"with its exact flags; this model's stages: {', '.join(f'`runs/{r}`' for _, r in stages)}).",
     ]
     if evaluation and name == "target":
         lines += ["", "## Held-out evaluation (`python scripts/evaluate_embedded.py`)", "",
@@ -65,7 +77,8 @@ def card(name: str, title: str, command: str, run: Path, manifest: dict, evaluat
                   f"stdlib functions ({evaluation['max_new_tokens']} new tokens): "
                   f"{evaluation['failfast_tokens_per_target_forward']:.2f} tokens committed per target forward",
                   f"- repeated 4-grams in the target's own greedy output: "
-                  f"{100 * evaluation['target_repeated_4gram_share']:.1f}%"]
+                  f"{100 * evaluation['target_repeated_4gram_share']:.1f}% (real held-out code windows of the "
+                  f"same length: {100 * evaluation['held_out_code_repeated_4gram_share']:.1f}%)"]
     return "\n".join(lines) + "\n"
 
 
@@ -80,13 +93,13 @@ def main() -> None:
     evaluation = json.loads(args.evaluation.read_text()) if args.evaluation else None
     MODELS_DIR.mkdir(exist_ok=True)
     CORPUS_MANIFEST.write_text(json.dumps(manifest, indent=1) + "\n")
-    for name, (run_name, title, command) in STAGES.items():
-        run = args.runs / run_name
+    for name, (title, stages) in STAGES.items():
+        run = args.runs / stages[-1][1]
         dest = MODELS_DIR / name
         dest.mkdir(exist_ok=True)
         for f in FILES:
             shutil.copy(run / f, dest / f)
-        (dest / "README.md").write_text(card(name, title, command, run, manifest, evaluation))
+        (dest / "README.md").write_text(card(name, title, stages, args.runs, manifest, evaluation))
         print(f"shipped {run} -> {dest}")
 
 

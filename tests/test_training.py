@@ -148,6 +148,15 @@ def test_distilled_stages_train_from_a_teacher(data_dir, tmp_path):
     assert dllm["history"][-1]["loss"] < dllm["history"][0]["loss"]
 
 
+def test_ar_training_can_continue_from_a_checkpoint(data_dir, tmp_path):
+    fresh = train_ar(data_dir, tmp_path / "fresh", "tiny", _settings(30))
+    again = train_ar(data_dir, tmp_path / "again", "tiny", _settings(3))
+    continued = train_ar(data_dir, tmp_path / "continued", "tiny", _settings(3), init=tmp_path / "fresh")
+    assert again["history"][0]["loss"] == fresh["history"][0]["loss"]  # fresh starts are seeded alike
+    # Starting from the trained weights, the first loss is already far below a fresh model's.
+    assert continued["history"][0]["loss"] < fresh["history"][0]["loss"] - 0.4
+
+
 def test_train_cli_runs_every_stage(data_dir, tmp_path, capsys):
     common = ["--data", str(data_dir), "--steps", "4", "--batch-size", "2", "--seq-len", "32", "--save-every", "2"]
     assert main(["train", "ar", "--size", "tiny", "--out", str(tmp_path / "ar"), *common]) == 0

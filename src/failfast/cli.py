@@ -149,7 +149,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                              save_every=args.save_every)
     teacher = Path(args.teacher) if args.teacher else None
     if args.stage == "ar":
-        report = train_ar(Path(args.data), Path(args.out), args.size, settings, resume=args.resume, teacher=teacher)
+        report = train_ar(Path(args.data), Path(args.out), args.size, settings, resume=args.resume, teacher=teacher,
+                          init=Path(args.init) if args.init else None)
     else:
         report = convert_to_diffusion(Path(args.init), Path(args.data), Path(args.out), settings,
                                       block_size=args.block_size, sub_block_size=args.sub_block_size,
@@ -218,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--vocab-size", type=int, default=8192, help="[data] BPE vocabulary size")
     t.add_argument("--data", help="[ar, diffusion] folder written by the data stage")
     t.add_argument("--size", default="target", help="[ar] target, drafter or tiny")
-    t.add_argument("--init", help="[diffusion] AR model folder to convert")
+    t.add_argument("--init", help="[diffusion] AR model folder to convert; [ar] checkpoint to continue "
+                                   "from instead of a fresh --size model (e.g. to distil a pretrained drafter)")
     t.add_argument("--teacher", help="[ar, diffusion] model folder to distil from (e.g. the trained target)")
     t.add_argument("--block-size", type=int, default=32)
     t.add_argument("--sub-block-size", type=int, default=8)

@@ -55,16 +55,30 @@ def _teacher(path: Path | None, vocab_size: int) -> Transformer | None:
     return teacher.model
 
 
+def _trainable(init_dir: Path, vocab_size: int) -> Transformer:
+    """An existing checkpoint, in float32 and trainable, as a starting point."""
+    loaded = load_model(init_dir)
+    if loaded.config.vocab_size != vocab_size:
+        raise FailfastError(f"{init_dir} has vocabulary size {loaded.config.vocab_size}, the corpus "
+                            f"tokenizer {vocab_size}")
+    model = Transformer(loaded.config)
+    model.load_state_dict(loaded.model.state_dict())
+    return model.requires_grad_(True)
+
+
 def train_ar(data_dir: Path, out: Path, size: str, settings: TrainSettings, *, resume: bool = False,
-             teacher: Path | None = None) -> dict:
-    """Next-token pre-training of a fresh model on the prepared corpus (distilled from a teacher if given)."""
+             teacher: Path | None = None, init: Path | None = None) -> dict:
+    """Next-token training on the prepared corpus: of a fresh model of `size`, or continuing
+    from the checkpoint `init`; against a teacher's distributions if one is given."""
     data = PreparedData.load(data_dir)
     eos, _ = special_ids(data.tokenizer)
-    model = new_model(size, data.tokenizer.vocab_size, eos, settings.seed)
-    t = _teacher(teacher, data.tokenizer.vocab_size)
+    vocab = data.tokenizer.vocab_size
+    model = _trainable(init, vocab) if init is not None else new_model(size, vocab, eos, settings.seed)
+    t = _teacher(teacher, vocab)
     loss = lambda m, batch, gen: ar_loss(m, batch, gen, t)  # noqa: E731
+    label = f"AR {size}" if init is None else f"AR from {init.name}"
     return train(model, loss, data.train, data.held_out, settings, out, data.tokenizer,
-                 resume=resume, label=f"AR {size}")
+                 resume=resume, label=label + (" (distilled)" if t is not None else ""))
 
 
 def convert_to_diffusion(init_dir: Path, data_dir: Path, out: Path, settings: TrainSettings, *,
@@ -76,10 +90,10 @@ def convert_to_diffusion(init_dir: Path, data_dir: Path, out: Path, settings: Tr
                             f"sub-block size ({sub_block_size})")
     data = PreparedData.load(data_dir)
     _, mask_id = special_ids(data.tokenizer)
-    ar = load_model(init_dir)
-    cfg = replace(ar.config, mask_token_id=mask_id, block_size=block_size, sub_block_size=sub_block_size)
-    model = Transformer(cfg)
-    model.load_state_dict(ar.model.state_dict())
+    ar = _trainable(init_dir, data.tokenizer.vocab_size)
+    model = Transformer(replace(ar.config, mask_token_id=mask_id, block_size=block_size,
+                                sub_block_size=sub_block_size))
+    model.load_state_dict(ar.state_dict())
     model.requires_grad_(True)
     t = _teacher(teacher, data.tokenizer.vocab_size)
     loss = lambda m, batch, gen: block_diffusion_loss(m, batch, block_size, mask_id, gen, t)  # noqa: E731
