@@ -47,7 +47,7 @@ $(RUNS)/drafter-ar/training.json: $(RUNS)/drafter-ar-base/training.json $(RUNS)/
 	$(TRAIN) ar --init $(RUNS)/drafter-ar-base --teacher $(RUNS)/target --out $(RUNS)/drafter-ar --steps 300 --lr 1e-3 $(COMMON)
 
 $(RUNS)/drafter-dllm/training.json: $(RUNS)/drafter-ar/training.json
-	$(TRAIN) diffusion --init $(RUNS)/drafter-ar --teacher $(RUNS)/target --out $(RUNS)/drafter-dllm --steps 200 --lr 1e-3 --block-size 32 --sub-block-size 8 $(COMMON)
+	$(TRAIN) diffusion --init $(RUNS)/drafter-ar --teacher $(RUNS)/target --out $(RUNS)/drafter-dllm --steps 150 --lr 1e-3 --block-size 32 --sub-block-size 8 $(COMMON)
 
 # Copy the trained models into the package with model cards (after `make models`).
 ship-models: venv

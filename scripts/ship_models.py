@@ -35,7 +35,8 @@ def stage_row(stage: str, run: Path) -> str:
         f"| {stage} | {report['steps']} steps x batch {s['batch_size']} x {s['seq_len']} tokens = "
         f"{report['tokens_seen']:,} tokens; AdamW, peak lr {s['lr']}, warm-up {s['warmup']}, cosine, seed {s['seed']}; "
         f"final train loss {report['final_train_loss']:.3f} (mean of the last 20 steps), held-out loss "
-        f"{report['held_out_loss']:.3f}; {report['wall_s_this_run'] / 60:.1f} min on a 2-core CPU |"
+        f"{report['held_out_loss']:.3f}; {report['wall_s_this_run'] / 60:.1f} min on a 2-core CPU "
+        "(the last run, if the stage was resumed) |"
     )
 
 
@@ -64,8 +65,12 @@ def card(name: str, title: str, stages: list[tuple[str, str]], runs: Path, manif
                  f"({manifest['held_out_tokens']:,} tokens) held out by path hash |")
     for stage, run_name in stages:
         lines.append(stage_row(stage, runs / run_name))
+    lines.append("| weights | float16 safetensors |")
+    if any("distil" in stage for stage, _ in stages):
+        lines += ["", "Losses of distilled stages are cross-entropies against the target's next-token "
+                      "distributions; they include the target's own entropy, so they are not comparable with "
+                      "next-token losses."]
     lines += [
-        "| weights | float16 safetensors |",
         "",
         "Reproduce: `make models` (each stage is a Makefile target `runs/<stage folder>/training.json` "
         f"with its exact flags; this model's stages: {', '.join(f'`runs/{r}`' for _, r in stages)}).",

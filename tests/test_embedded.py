@@ -16,12 +16,15 @@ PROMPTS = ["def fib(n):\n", "import os\n\n\ndef list_files(path):\n    \"\"\"Ret
            "class Stack:\n    def __init__(self):\n"]
 
 
-def test_shipped_models_are_complete_16_bit_folders():
+def test_shipped_models_are_complete_16_bit_folders_under_48_mib():
+    total = 0
     for name in EMBEDDED:
         folder = resolve_model(name)
         assert json.loads((folder / "config.json").read_text())["torch_dtype"] == "float16"
         assert (folder / "README.md").is_file() and (folder / "tokenizer.json").is_file()
         assert load_model(folder).config.vocab_size == 8192
+        total += sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    assert total < 48 * 2**20
     assert json.loads((MODELS_DIR / "corpus.json").read_text())["held_out_files"]
 
 
