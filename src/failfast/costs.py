@@ -39,9 +39,9 @@ class CostProfile:
         if k <= pts[0][0]:
             return pts[0][1]
         for (k0, ms0), (k1, ms1) in zip(pts, pts[1:]):
-            if k <= k1 or (k1, ms1) == pts[-1]:
-                return ms0 + (ms1 - ms0) * (k - k0) / (k1 - k0)
-        raise AssertionError("unreachable")
+            if k <= k1:
+                break  # else the last segment extends past the last point
+        return ms0 + (ms1 - ms0) * (k - k0) / (k1 - k0)
 
 
 def _median_ms(fn, repeats: int) -> float:
