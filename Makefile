@@ -22,7 +22,7 @@ test: venv
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
 
-# The embedded models: the full training recipe (about 100 minutes on 2 CPU cores).
+# The embedded models: the full training recipe (about 2 hours on 2 CPU cores).
 # The drafter is pre-trained on the corpus, the target trained, then the drafter is distilled
 # from the target (it learns the target's next-token distributions, which is what verification
 # checks) and converted to block diffusion, again distilled. Each stage is a file target, so an
