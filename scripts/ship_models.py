@@ -8,10 +8,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import shutil
 from pathlib import Path
 
+import torch
+
 from failfast import load_model
+from failfast.model.checkpoint import save_model
 from failfast.embedded import CORPUS_MANIFEST, MODELS_DIR
 
 # Each shipped model: a description and the training stages that made it, in order
@@ -25,7 +27,7 @@ STAGES = {
                      [("AR pre-training", "drafter-ar-base"), ("AR distillation from the target", "drafter-ar"),
                       ("block-diffusion conversion, distilled from the target", "drafter-dllm")]),
 }
-FILES = ("config.json", "model.safetensors", "tokenizer.json")
+SHARD_BYTES = 16 * 2**20  # keep every shipped file small
 
 
 def stage_row(stage: str, run: Path) -> str:
@@ -101,9 +103,8 @@ def main() -> None:
     for name, (title, stages) in STAGES.items():
         run = args.runs / stages[-1][1]
         dest = MODELS_DIR / name
-        dest.mkdir(exist_ok=True)
-        for f in FILES:
-            shutil.copy(run / f, dest / f)
+        loaded = load_model(run)
+        save_model(loaded.model, dest, dtype=torch.float16, tokenizer=loaded.tokenizer, max_shard_bytes=SHARD_BYTES)
         (dest / "README.md").write_text(card(name, title, stages, args.runs, manifest, evaluation))
         print(f"shipped {run} -> {dest}")
 

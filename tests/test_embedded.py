@@ -54,3 +54,13 @@ def test_demo_prints_text_and_speedup(capsys):
     assert main(["demo", "--max-new-tokens", "24", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("def fibonacci(n):") and "speedup" in out and "tokens identical" in out
+
+
+def test_sharded_save_round_trips(tmp_path):
+    from failfast.model.checkpoint import save_model
+    model = load_model(resolve_model("ar-drafter"))
+    save_model(model.model, tmp_path, dtype=torch.float16, max_shard_bytes=2**20)
+    assert len(list(tmp_path.glob("model-*-of-*.safetensors"))) > 1 and not (tmp_path / "model.safetensors").exists()
+    again = load_model(tmp_path)
+    for (name, a), (_, b) in zip(model.model.state_dict().items(), again.model.state_dict().items()):
+        assert torch.equal(a, b), name

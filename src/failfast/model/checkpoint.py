@@ -108,9 +108,24 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     return LoadedModel(model, cfg, tokenizer, folder)
 
 
+def _shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """Split tensors, in order, into groups of at most `max_bytes` (a larger tensor gets its own)."""
+    groups: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append({})
+            size = 0
+        groups[-1][name] = t
+        size += nbytes
+    return groups
+
+
 def save_model(model: Transformer, path: str | Path, *, dtype: torch.dtype | None = None,
-               tokenizer: Tokenizer | None = None) -> Path:
-    """Write config.json + model.safetensors (+ tokenizer.json) in Hugging Face layout."""
+               tokenizer: Tokenizer | None = None, max_shard_bytes: int | None = None) -> Path:
+    """Write config.json + model.safetensors (+ tokenizer.json) in Hugging Face layout; with
+    `max_shard_bytes`, weights larger than that go to numbered shards plus an index."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     cfg_dict = model.config.to_dict()
@@ -120,7 +135,20 @@ def save_model(model: Transformer, path: str | Path, *, dtype: torch.dtype | Non
     state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight")
-    save_file(state, str(folder / SINGLE_FILE), metadata={"format": "pt"})
+    for stale in [folder / SINGLE_FILE, folder / SHARD_INDEX, *folder.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
+    groups = _shards(state, max_shard_bytes) if max_shard_bytes else [state]
+    if len(groups) == 1:
+        save_file(state, str(folder / SINGLE_FILE), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, group in enumerate(groups, 1):
+            name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+            save_file(group, str(folder / name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(group, name))
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                 "weight_map": weight_map}
+        (folder / SHARD_INDEX).write_text(json.dumps(index, indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.inner.save(str(folder / "tokenizer.json"))
     return folder
