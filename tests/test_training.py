@@ -14,7 +14,7 @@ from failfast.cli import main
 from failfast.train.corpus import CorpusError, split_corpus
 from failfast.train.data import PreparedData, prepare_data
 from failfast.train.loop import TrainSettings, train
-from failfast.train.objectives import ar_loss, teacher_probs
+from failfast.train.objectives import ar_loss, block_masks, teacher_probs
 from failfast.train.recipe import convert_to_diffusion, new_model, train_ar
 
 SOURCE = textwrap.dedent('''
@@ -139,6 +139,25 @@ def test_distillation_targets_are_the_teachers_distributions(data_dir):
         assert float(ar_loss(model, batch)) != pytest.approx(float(entropy), rel=1e-3)
 
 
+def test_suffix_masks_cover_each_block_from_a_cut_to_its_end():
+    masks = block_masks(64, 40, 8, torch.Generator().manual_seed(0), suffix_share=1.0)
+    for row in masks.tolist():
+        for start in range(0, 40, 8):
+            block = row[start:start + 8]
+            cut = block.index(True) if True in block else 8
+            assert block == [False] * cut + [True] * (8 - cut)
+    assert not masks[:, 0].any()
+    uniform = block_masks(64, 40, 8, torch.Generator().manual_seed(0))
+    assert torch.equal(uniform, block_masks(64, 40, 8, torch.Generator().manual_seed(0), suffix_share=0.0))
+    # Uniform masking rarely leaves a clean prefix followed by masks only.
+    mixed = block_masks(400, 8, 8, torch.Generator().manual_seed(1), suffix_share=0.5)
+    def is_suffix(row: list[bool]) -> bool:
+        return row == sorted(row) and any(row)
+    share = sum(map(is_suffix, mixed.tolist())) / 400
+    assert 0.5 < share < 0.75
+    assert sum(map(is_suffix, uniform[:, :8].tolist())) / 64 < 0.4
+
+
 def test_distilled_stages_train_from_a_teacher(data_dir, tmp_path):
     train_ar(data_dir, tmp_path / "teacher", "tiny", _settings(10))
     student = train_ar(data_dir, tmp_path / "student", "tiny", _settings(15), teacher=tmp_path / "teacher")
@@ -161,8 +180,11 @@ def test_train_cli_runs_every_stage(data_dir, tmp_path, capsys):
     common = ["--data", str(data_dir), "--steps", "4", "--batch-size", "2", "--seq-len", "32", "--save-every", "2"]
     assert main(["train", "ar", "--size", "tiny", "--out", str(tmp_path / "ar"), *common]) == 0
     assert main(["train", "diffusion", "--init", str(tmp_path / "ar"), "--out", str(tmp_path / "dllm"),
-                 "--block-size", "8", "--sub-block-size", "4", "--teacher", str(tmp_path / "ar"), *common]) == 0
+                 "--block-size", "8", "--sub-block-size", "4", "--teacher", str(tmp_path / "ar"),
+                 "--suffix-mask-share", "0.5", *common]) == 0
     assert "held-out loss" in capsys.readouterr().out
     assert load_model(tmp_path / "dllm").config.sub_block_size == 4
+    report = json.loads((tmp_path / "dllm" / "training.json").read_text())
+    assert report["objective"] == {"suffix_mask_share": 0.5}
     assert main(["train", "diffusion", "--init", str(tmp_path / "ar"), "--out", str(tmp_path / "bad"),
                  "--block-size", "8", "--sub-block-size", "3", *common]) == 2

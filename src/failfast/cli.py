@@ -154,7 +154,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         report = convert_to_diffusion(Path(args.init), Path(args.data), Path(args.out), settings,
                                       block_size=args.block_size, sub_block_size=args.sub_block_size,
-                                      resume=args.resume, teacher=teacher)
+                                      resume=args.resume, teacher=teacher, suffix_mask_share=args.suffix_mask_share)
     print(f"done: {report['steps']} steps, {report['tokens_seen']} tokens, train loss "
           f"{report['final_train_loss']:.3f}, held-out loss {report['held_out_loss']:.3f} -> {args.out}")
     return 0
@@ -224,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--teacher", help="[ar, diffusion] model folder to distil from (e.g. the trained target)")
     t.add_argument("--block-size", type=int, default=32)
     t.add_argument("--sub-block-size", type=int, default=8)
+    t.add_argument("--suffix-mask-share", type=float, default=0.0,
+                   help="[diffusion] share of blocks masked from a random cut to the block's end (the "
+                        "drafting pattern) instead of uniformly")
     t.add_argument("--steps", type=int, default=1000)
     t.add_argument("--batch-size", type=int, default=16)
     t.add_argument("--seq-len", type=int, default=256)

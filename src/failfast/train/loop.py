@@ -90,8 +90,10 @@ def _load_checkpoint(folder: Path, model: Transformer, opt: torch.optim.AdamW) -
 
 
 def train(model: Transformer, loss_fn: LossFn, train_stream: Tensor, held_out: Tensor, s: TrainSettings,
-          out: Path, tokenizer: Tokenizer | None, *, resume: bool = False, label: str = "train") -> dict:
-    """Train `model` in place, checkpointing under out/checkpoint; save the final model in out/."""
+          out: Path, tokenizer: Tokenizer | None, *, resume: bool = False, label: str = "train",
+          objective: dict | None = None) -> dict:
+    """Train `model` in place, checkpointing under out/checkpoint; save the final model in out/
+    (`objective`: the loss's own settings, recorded in training.json)."""
     out = Path(out)
     ckpt = out / CHECKPOINT_DIR
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -122,11 +124,18 @@ def train(model: Transformer, loss_fn: LossFn, train_stream: Tensor, held_out: T
             step += 1
             value = loss.item()
             history.append({"step": step, "loss": value})
-            bar.update(task, advance=1, loss=value, tps=batch.numel() / (time.perf_counter() - t0))
+            tps = batch.numel() / (time.perf_counter() - t0)
+            bar.update(task, advance=1, loss=value, tps=tps)
+            if not bar.console.is_terminal and (step % max(s.steps // 20, 1) == 0 or step == s.steps):
+                # A log file gets no live bar: a line every 5% instead.
+                elapsed = time.perf_counter() - started
+                bar.console.print(f"{label}: step {step}/{s.steps}, loss {value:.3f}, {tps:.0f} tok/s, "
+                                  f"{elapsed / 60:.1f} min")
             if step % s.save_every == 0 or step == s.steps:
                 _save_checkpoint(ckpt, model, opt, step, history)
     report = {
         "settings": asdict(s),
+        "objective": objective or {},
         "steps": step,
         "tokens_seen": step * s.batch_size * s.seq_len,
         "final_train_loss": sum(h["loss"] for h in history[-20:]) / len(history[-20:]),

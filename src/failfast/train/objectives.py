@@ -51,20 +51,31 @@ def block_diffusion_layout_mask(length: int, block_size: int, device: torch.devi
 
 
 def block_masks(batch: int, length: int, block_size: int, generator: torch.Generator | None = None,
-                device: torch.device | str = "cpu") -> Tensor:
+                device: torch.device | str = "cpu", suffix_share: float = 0.0) -> Tensor:
     """Bool [B, L] mask: each block draws a mask ratio in (0, 1) and masks that share.
 
-    Position 0 is never masked: it has no previous position to predict it from.
+    With probability `suffix_share` a block instead masks everything from a uniform cut to
+    its end: the pattern a drafter meets (known tokens, then masks to the block's end), which
+    uniform masking almost never produces. Position 0 is never masked: it has no previous
+    position to predict it from.
     """
     n_blocks = -(-length // block_size)
-    ratio = torch.rand(batch, n_blocks, generator=generator).repeat_interleave(block_size, dim=1)[:, :length]
-    masked = torch.rand(batch, length, generator=generator) < ratio
+
+    def per_block(values: Tensor) -> Tensor:
+        return values.repeat_interleave(block_size, dim=1)[:, :length]
+
+    masked = torch.rand(batch, length, generator=generator) < per_block(torch.rand(batch, n_blocks, generator=generator))
+    if suffix_share > 0:
+        cut = per_block(torch.randint(0, block_size, (batch, n_blocks), generator=generator))
+        suffix = per_block(torch.rand(batch, n_blocks, generator=generator) < suffix_share)
+        masked = torch.where(suffix, torch.arange(length) % block_size >= cut, masked)
     masked[:, 0] = False
     return masked.to(device)
 
 
 def block_diffusion_loss(model: Transformer, tokens: Tensor, block_size: int, mask_token_id: int,
-                         generator: torch.Generator | None = None, teacher: Transformer | None = None) -> Tensor:
+                         generator: torch.Generator | None = None, teacher: Transformer | None = None,
+                         suffix_share: float = 0.0) -> Tensor:
     """Cross-entropy on masked positions, each sequence trained with a mask and its complement.
 
     The prediction for position j is read at j - 1 (token shift): from the noisy copy
@@ -73,7 +84,7 @@ def block_diffusion_loss(model: Transformer, tokens: Tensor, block_size: int, ma
     position learns the teacher's next-token distribution instead of the corpus token.
     """
     b, length = tokens.shape
-    m = block_masks(b, length, block_size, generator, tokens.device)
+    m = block_masks(b, length, block_size, generator, tokens.device, suffix_share)
     complement = ~m
     complement[:, 0] = False
     masks = torch.cat([m, complement], dim=0)          # [2B, L]

@@ -83,11 +83,14 @@ def train_ar(data_dir: Path, out: Path, size: str, settings: TrainSettings, *, r
 
 def convert_to_diffusion(init_dir: Path, data_dir: Path, out: Path, settings: TrainSettings, *,
                          block_size: int = 32, sub_block_size: int = 8, resume: bool = False,
-                         teacher: Path | None = None) -> dict:
-    """Fast-dLLM v2-style conversion: start from AR weights, add a mask token, train block diffusion."""
+                         teacher: Path | None = None, suffix_mask_share: float = 0.0) -> dict:
+    """Fast-dLLM v2-style conversion: start from AR weights, add a mask token, train block
+    diffusion (`suffix_mask_share`: see `block_masks`). Continues a block-diffusion model too."""
     if block_size < 1 or sub_block_size < 1 or block_size % sub_block_size:
         raise FailfastError(f"block size ({block_size}) must be a positive multiple of the "
                             f"sub-block size ({sub_block_size})")
+    if not 0 <= suffix_mask_share <= 1:
+        raise FailfastError(f"suffix mask share must be in [0, 1], got {suffix_mask_share}")
     data = PreparedData.load(data_dir)
     _, mask_id = special_ids(data.tokenizer)
     ar = _trainable(init_dir, data.tokenizer.vocab_size)
@@ -96,6 +99,7 @@ def convert_to_diffusion(init_dir: Path, data_dir: Path, out: Path, settings: Tr
     model.load_state_dict(ar.state_dict())
     model.requires_grad_(True)
     t = _teacher(teacher, data.tokenizer.vocab_size)
-    loss = lambda m, batch, gen: block_diffusion_loss(m, batch, block_size, mask_id, gen, t)  # noqa: E731
-    return train(model, loss, data.train, data.held_out, settings, out, data.tokenizer,
-                 resume=resume, label="AR -> block diffusion")
+    loss = lambda m, batch, gen: block_diffusion_loss(m, batch, block_size, mask_id, gen, t,  # noqa: E731
+                                                      suffix_mask_share)
+    return train(model, loss, data.train, data.held_out, settings, out, data.tokenizer, resume=resume,
+                 label="AR -> block diffusion", objective={"suffix_mask_share": suffix_mask_share})
