@@ -32,7 +32,7 @@ RUNS ?= runs
 TRAIN := $(VENV)/bin/failfast train
 COMMON := --data $(RUNS)/data --batch-size 16 --seq-len 256 --resume
 
-models: $(RUNS)/drafter-dllm-suffix/training.json
+models: $(RUNS)/drafter-dllm/training.json
 
 $(RUNS)/data/manifest.json: | venv
 	$(TRAIN) data --out $(RUNS)/data
@@ -48,11 +48,6 @@ $(RUNS)/drafter-ar/training.json: $(RUNS)/drafter-ar-base/training.json $(RUNS)/
 
 $(RUNS)/drafter-dllm/training.json: $(RUNS)/drafter-ar/training.json
 	$(TRAIN) diffusion --init $(RUNS)/drafter-ar --teacher $(RUNS)/target --out $(RUNS)/drafter-dllm --steps 150 --lr 1e-3 --block-size 32 --sub-block-size 8 $(COMMON)
-
-# Drafting always meets known tokens followed by masks to the block's end; uniform masks
-# rarely show that pattern, so the conversion continues on it (suffix masks from a random cut).
-$(RUNS)/drafter-dllm-suffix/training.json: $(RUNS)/drafter-dllm/training.json
-	$(TRAIN) diffusion --init $(RUNS)/drafter-dllm --teacher $(RUNS)/target --out $(RUNS)/drafter-dllm-suffix --steps 360 --lr 1e-3 --block-size 32 --sub-block-size 8 --suffix-mask-share 1 $(COMMON)
 
 # Copy the trained models into the package with model cards (after `make models`).
 ship-models: venv

@@ -67,9 +67,10 @@ def test_datasets_have_prompts():
     assert len(heldout) == 20 and all(p.text.lstrip().startswith(("def ", "async def ")) for p in heldout)
 
 
-def test_quick_bench_on_embedded_models(tmp_path):
+def test_quick_bench_on_embedded_models(tmp_path, capsys):
     out = tmp_path / "bench"
     assert main(["bench", "--quick", "--out", str(out)]) == 0
+    assert "2/2 prompts benchmarked" in capsys.readouterr().out  # progress lines in a log
     report = json.loads((out / "results.json").read_text())
     names = [m["name"] for m in report["methods"]]
     assert names == [s.name for s in default_methods()]

@@ -182,7 +182,9 @@ def test_train_cli_runs_every_stage(data_dir, tmp_path, capsys):
     assert main(["train", "diffusion", "--init", str(tmp_path / "ar"), "--out", str(tmp_path / "dllm"),
                  "--block-size", "8", "--sub-block-size", "4", "--teacher", str(tmp_path / "ar"),
                  "--suffix-mask-share", "0.5", *common]) == 0
-    assert "held-out loss" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "held-out loss" in out
+    assert "4/4 steps of AR -> block diffusion" in out  # a log line, not a bar, when output is not a terminal
     assert load_model(tmp_path / "dllm").config.sub_block_size == 4
     report = json.loads((tmp_path / "dllm" / "training.json").read_text())
     assert report["objective"] == {"suffix_mask_share": 0.5}

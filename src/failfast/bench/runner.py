@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from functools import partial
 
@@ -11,6 +12,7 @@ from failfast.bench.datasets import Prompt
 from failfast.bench.methods import MethodFactory, MethodOutput, MethodSpec
 from failfast.bench.timing import interleaved_runs
 from failfast.errors import FailfastError
+from failfast.progress import log_milestone
 
 BASELINE = "ar"
 
@@ -47,6 +49,7 @@ def run_bench(factory: MethodFactory, specs: list[MethodSpec], prompts: list[Pro
     results = []
     columns = (TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[prompt]}"),
                TimeElapsedColumn(), TimeRemainingColumn())
+    started = time.perf_counter()
     with Progress(*columns) as bar:
         task = bar.add_task("bench", total=len(prompts), prompt="")
         for i, prompt in enumerate(prompts):
@@ -58,4 +61,5 @@ def run_bench(factory: MethodFactory, specs: list[MethodSpec], prompts: list[Pro
             check_lossless(prompt.id, outputs)
             results.append(PromptResult(prompt.id, len(ids), times, outputs))
             bar.advance(task)
+            log_milestone(bar, i + 1, len(prompts), started, f"prompts benchmarked (last: {prompt.id})")
     return results

@@ -17,6 +17,7 @@ from torch import Tensor
 from failfast.errors import CheckpointError
 from failfast.model import Tokenizer, Transformer
 from failfast.model.checkpoint import load_model, save_model
+from failfast.progress import log_milestone
 from failfast.train.data import windows
 
 LossFn = Callable[[Transformer, Tensor, torch.Generator], Tensor]
@@ -126,11 +127,7 @@ def train(model: Transformer, loss_fn: LossFn, train_stream: Tensor, held_out: T
             history.append({"step": step, "loss": value})
             tps = batch.numel() / (time.perf_counter() - t0)
             bar.update(task, advance=1, loss=value, tps=tps)
-            if not bar.console.is_terminal and (step % max(s.steps // 20, 1) == 0 or step == s.steps):
-                # A log file gets no live bar: a line every 5% instead.
-                elapsed = time.perf_counter() - started
-                bar.console.print(f"{label}: step {step}/{s.steps}, loss {value:.3f}, {tps:.0f} tok/s, "
-                                  f"{elapsed / 60:.1f} min")
+            log_milestone(bar, step, s.steps, started, f"steps of {label}: loss {value:.3f}, {tps:.0f} tok/s")
             if step % s.save_every == 0 or step == s.steps:
                 _save_checkpoint(ckpt, model, opt, step, history)
     report = {
