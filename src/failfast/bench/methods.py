@@ -61,6 +61,7 @@ def default_methods() -> list[MethodSpec]:
         MethodSpec("failfast-N20", "dllm-drafter", FailFast(chunk=20)),
         MethodSpec("failfast-Nmax30", "dllm-drafter", FailFast(max_draft=30)),
         MethodSpec("failfast-u0.3", "dllm-drafter", ff, unmask_threshold=0.3),
+        MethodSpec("failfast-u0", "dllm-drafter", ff, unmask_threshold=0.0),  # one pass per sub-block
         MethodSpec("failfast-cost", "dllm-drafter", cost_aware=True),
         MethodSpec("oracle", "oracle", Fixed(60)),
     ]
