@@ -56,7 +56,7 @@ def block_masks(batch: int, length: int, block_size: int, generator: torch.Gener
 
     With probability `suffix_share` a block instead masks everything from a uniform cut to
     its end: the pattern a drafter meets (known tokens, then masks to the block's end), which
-    uniform masking almost never produces. Position 0 is never masked: it has no previous
+    uniform masking seldom produces except as a fully masked block. Position 0 is never masked: it has no previous
     position to predict it from.
     """
     n_blocks = -(-length // block_size)
