@@ -112,3 +112,84 @@ def test_every_pass_counts_and_unmask_threshold_one_means_one_token_per_pass(tmp
     tokens, confs = d.draft(5)
     assert len(tokens) == 5 and all(0 < c <= 1 for c in confs)
     assert d.forwards == 5     # threshold 1: only the most confident position per pass
+
+
+def _scratch_pass_setup(tmp_path, layers: int):
+    """A model with two committed blocks and a full-block scratch pass over a third."""
+    cfg = tiny_config(num_hidden_layers=layers, mask_token_id=MASK, block_size=B, sub_block_size=S)
+    model = load_model(write_model(tmp_path / f"m{layers}", cfg, seed=11), dtype=torch.float64).model
+    gen = torch.Generator().manual_seed(layers)
+    prefix = torch.randint(2, 90, (1, 2 * B), generator=gen)
+    block = torch.randint(2, 90, (1, B), generator=gen)
+    cache = model.new_cache(64)
+    model(prefix, 0, cache, block_size=B)
+    full = model(block, 2 * B, cache, block_size=B, commit=False)
+    return model, cache, block, full
+
+
+@pytest.mark.parametrize("lo,hi", [(0, B), (2, 6), (3, B), (5, 6)])
+def test_sub_block_pass_over_unchanged_tokens_equals_the_full_block_pass(tmp_path, lo, hi):
+    model, cache, block, full = _scratch_pass_setup(tmp_path, layers=3)
+    part = model(block[:, lo:hi], 2 * B + lo, cache, block_size=B, commit=False, context_end=3 * B)
+    torch.testing.assert_close(part, full[:, lo:hi], rtol=1e-12, atol=1e-12)
+    assert cache.length == 2 * B  # scratch passes never extend the cache
+
+
+def test_sub_block_pass_reads_other_positions_kv_from_scratch(tmp_path):
+    # With one layer, K/V depend only on each position's own token, so recomputing the changed
+    # positions and reading the others' scratch K/V must equal a full pass over the new block.
+    model, cache, block, _ = _scratch_pass_setup(tmp_path, layers=1)
+    changed = block.clone()
+    changed[0, 3:6] = torch.tensor([7, 8, 9])
+    part = model(changed[:, 3:6], 2 * B + 3, cache, block_size=B, commit=False, context_end=3 * B)
+    reference = model.new_cache(64)
+    model(torch.cat([cache_prefix(cache, model), changed], dim=1)[:, :2 * B], 0, reference, block_size=B)
+    want = model(changed, 2 * B, reference, block_size=B, commit=False)[:, 3:6]
+    torch.testing.assert_close(part, want, rtol=1e-12, atol=1e-12)
+
+
+def cache_prefix(cache, model) -> torch.Tensor:
+    """The prefix tokens of `_scratch_pass_setup` (same generator), for a fresh reference cache."""
+    gen = torch.Generator().manual_seed(model.config.num_hidden_layers)
+    return torch.randint(2, 90, (1, 2 * B), generator=gen)
+
+
+def test_scratch_pass_rejects_a_start_below_the_cache(tmp_path):
+    model, cache, block, _ = _scratch_pass_setup(tmp_path, layers=1)
+    with pytest.raises(ValueError, match="cache holds"):
+        model(block[:, :2], B, cache, block_size=B, commit=False, context_end=3 * B)
+    with pytest.raises(ValueError, match="cache holds"):
+        model(block[:, 2:4], 2 * B + 2, cache, block_size=B)  # a committing pass must start at the cache end
+
+
+class _WidthRecorder:
+    """Wraps a model to record how many tokens each forward pass computes."""
+
+    def __init__(self, model):
+        self.model, self.widths = model, []
+
+    def __call__(self, tokens, *args, **kwargs):
+        self.widths.append(tokens.shape[1])
+        return self.model(tokens, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+@pytest.mark.parametrize("denoise", ["sub-block", "full-block"])
+def test_sub_block_mode_computes_only_the_active_positions(tmp_path, denoise):
+    folder = write_model(tmp_path / "d", tiny_config(mask_token_id=MASK, block_size=B, sub_block_size=S), seed=4)
+    d = BlockDiffusionDrafter(load_model(folder, dtype=torch.float64), vocab_limit=96, unmask_threshold=0.0,
+                              denoise=denoise)
+    d.prepare(100)
+    d.model = recorder = _WidthRecorder(d.model)
+    d.begin([5, 6, 7])          # block 0: 3 known tokens, masks at 3..7 (sub-blocks [0,4) and [4,8))
+    d.draft(5 + 4)              # threshold 0: one pass per sub-block; then block 1's first sub-block
+    if denoise == "full-block":
+        assert recorder.widths == [B, B, B, B]
+    else:
+        # [0,8): the first pass fills the scratch K/V; [3,8): position 3 was just unmasked and
+        # positions 4..7 are the active sub-block; [0,8) commits block 0; [0,8): block 1's first pass
+        assert recorder.widths == [B, B - 3, B, B]
+        d.draft(4)              # block 1's second sub-block: positions 1..3 changed, 4..7 active
+        assert recorder.widths[-1] == B - 1

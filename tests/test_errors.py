@@ -42,6 +42,16 @@ def test_block_diffusion_drafter_without_mask_token(target, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, message", [
+    (dict(unmask_threshold=1.5), "unmask threshold"), (dict(denoise="half-block"), "denoising pass"),
+    (dict(sub_block_size=3), "must divide the block size 8"), (dict(sub_block_size=16), "must divide"),
+])
+def test_bad_block_diffusion_options(target, tmp_path, kwargs, message):
+    folder = write_model(tmp_path / "dllm", tiny_config(mask_token_id=95, block_size=8, sub_block_size=4), seed=1)
+    with pytest.raises(PolicyError, match=message):
+        make_drafter(target, load_model(folder), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
     (dict(tau=1.5), "tau must be in"), (dict(tau=-0.1), "tau must be in"),
     (dict(chunk=0), ">= 1"), (dict(max_draft=0, chunk=1), ">= 1"),
     (dict(chunk=20, max_draft=10), "must not exceed"),

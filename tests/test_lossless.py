@@ -29,16 +29,22 @@ def hf_greedy(folder: Path, prompt: list[int], max_new: int, eos: int | None = N
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("drafter_name", ["self", "random-ar", "random-dllm"])
+# Block-diffusion drafting options: sub-block passes (default) and exact full-block passes, at
+# one pass per sub-block (threshold 0, default) and at the paper's threshold.
+DLLM_OPTIONS = {"random-dllm": {}, "random-dllm-full-block": dict(denoise="full-block", unmask_threshold=0.05)}
+
+
+@pytest.mark.parametrize("drafter_name", ["self", "random-ar", *DLLM_OPTIONS])
 def test_random_drafters_are_lossless(random_models, drafter_name):
     target = load_model(random_models["target"], dtype=torch.float64)
-    drafter = load_model(random_models[drafter_name], dtype=torch.float64)
+    options = DLLM_OPTIONS.get(drafter_name, {})
+    drafter = load_model(random_models["random-dllm" if drafter_name in DLLM_OPTIONS else drafter_name], dtype=torch.float64)
     for length in PROMPT_LENGTHS:
         prompt = prompt_of(length)
         expected = hf_greedy(random_models["target"], prompt, MAX_NEW)
         assert SpeculativeEngine(target).generate(prompt, MAX_NEW).token_ids == expected
         for policy in POLICIES:
-            result = SpeculativeEngine(target, make_drafter(target, drafter), policy).generate(prompt, MAX_NEW)
+            result = SpeculativeEngine(target, make_drafter(target, drafter, **options), policy).generate(prompt, MAX_NEW)
             assert result.token_ids == expected, (drafter_name, policy.name, length)
             assert result.stats.tokens == MAX_NEW and result.stop_reason == "length"
             if drafter_name == "self":
@@ -59,9 +65,10 @@ def test_trained_block_diffusion_drafter_is_lossless_with_long_drafts(trained_pa
     target = load_model(target_dir, dtype=torch.float64)
     drafter = load_model(drafter_dir, dtype=torch.float64)
     expected = hf_greedy(target_dir, prompt, 90)
-    for policy in (FailFast(tau=0.45, chunk=10, max_draft=40), Fixed(20), Fixed(3), CostAware(CPU_COSTS)):
-        result = SpeculativeEngine(target, make_drafter(target, drafter), policy).generate(prompt, 90)
-        assert result.token_ids == expected, policy.name
+    for options in ({}, dict(denoise="full-block"), dict(unmask_threshold=0.05), dict(sub_block_size=8)):
+        for policy in (FailFast(tau=0.45, chunk=10, max_draft=40), Fixed(20), Fixed(3), CostAware(CPU_COSTS)):
+            result = SpeculativeEngine(target, make_drafter(target, drafter, **options), policy).generate(prompt, 90)
+            assert result.token_ids == expected, (policy.name, options)
     result = SpeculativeEngine(target, make_drafter(target, drafter), FailFast(0.45, 10, 40)).generate(prompt, 90)
     # Drafts spanning several blocks are accepted whole: the drafter really predicts the target.
     assert max(r.accepted for r in result.stats.trajectory) >= 2 * BLOCK

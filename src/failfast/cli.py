@@ -9,15 +9,15 @@ from pathlib import Path
 
 import torch
 
+from failfast.drafters.block_diffusion import DEFAULT_UNMASK_THRESHOLD, DENOISE_MODES
 from failfast.embedded import DEFAULT_DRAFTER, DEFAULT_TARGET
 from failfast.errors import FailfastError, GenerationInputError
+from failfast.model.precision import DTYPES, resolve_dtype
 from failfast.pipeline import Pipeline
 from failfast.costs import measure_costs
 from failfast.policies import CostAware, FailFast, Fixed, Policy
 from failfast.verify import SamplingParams
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-          "float16": torch.float16}
 
 
 def _apply_model_defaults(args: argparse.Namespace) -> None:
@@ -52,7 +52,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _apply_model_defaults(args)
     policy = _policy(args)
     pipe = Pipeline.load(args.target, args.drafter if policy else None, policy,
-                         unmask_threshold=args.unmask_threshold, dtype=DTYPES[args.dtype], device=args.device)
+                         unmask_threshold=args.unmask_threshold, denoise=args.denoise, sub_block_size=args.sub_block,
+                         dtype=resolve_dtype(args.dtype, args.device), device=args.device)
     prompt = args.prompt if args.prompt is not None else _prompt_ids(args.prompt_ids)
     if args.policy == "cost-aware":
         ids = pipe.encode(prompt) if isinstance(prompt, str) else prompt
@@ -119,17 +120,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                        f"(choose from {', '.join(s.name for s in specs)})")
         specs = [s for s in specs if s.name in wanted]
     prompts = load_dataset(args.dataset, args.prompts)
+    dtype = resolve_dtype(args.dtype)
     factory = MethodFactory(resolve_model(args.target), resolve_model(args.ar_drafter),
-                            resolve_model(args.dllm_drafter), DTYPES[args.dtype])
+                            resolve_model(args.dllm_drafter), dtype)
     results = run_bench(factory, specs, prompts, args.max_new_tokens, args.repeats)
     meta = {"dataset": args.dataset, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-            "repeats": args.repeats, "threads": torch.get_num_threads(), "dtype": args.dtype,
+            "repeats": args.repeats, "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."),
             "command": "failfast bench " + " ".join(sys.argv[2:])}
     out = Path(args.out)
     write_report(results, [s.name for s in specs], meta, out, factory.target.tokenizer,
                  {p.id: p.text for p in prompts})
     print((out / "results.md").read_text())
-    print(f"all methods lossless; results in {out}/")
+    differing = [s.name for s in specs if s.is_peer and any(r.outputs[s.name].token_ids != r.outputs["ar"].token_ids
+                                                           for r in results)]
+    print("all our methods lossless" + (f" (peers with their own kernels differ: {', '.join(differing)})"
+                                        if differing else "") + f"; results in {out}/")
     return 0
 
 
@@ -144,19 +149,43 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"train tokens {manifest['train_tokens']}, held-out tokens {manifest['held_out_tokens']}, "
               f"vocab {manifest['vocab_size']} -> {args.out}")
         return 0
+    if args.stage == "selfdistill":
+        return _self_distill(args)
     settings = TrainSettings(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                              warmup=min(args.warmup, max(args.steps // 10, 1)), seed=args.seed,
-                             save_every=args.save_every)
+                             save_every=args.save_every, precision=args.precision, compile=not args.no_compile)
+    resume_from = Path(args.resume_from) if args.resume_from else None
+    rows = Path(args.rows) if args.rows else None
     teacher = Path(args.teacher) if args.teacher else None
     if args.stage == "ar":
-        report = train_ar(Path(args.data), Path(args.out), args.size, settings, resume=args.resume, teacher=teacher,
-                          init=Path(args.init) if args.init else None)
+        report = train_ar(Path(args.data), Path(args.out), args.size, settings, teacher=teacher,
+                          init=Path(args.init) if args.init else None, resume=args.resume or resume_from is not None,
+                          resume_from=resume_from, rows=rows)
     else:
         report = convert_to_diffusion(Path(args.init), Path(args.data), Path(args.out), settings,
                                       block_size=args.block_size, sub_block_size=args.sub_block_size,
-                                      resume=args.resume, teacher=teacher, suffix_mask_share=args.suffix_mask_share)
+                                      resume=args.resume or resume_from is not None, resume_from=resume_from,
+                                      teacher=teacher, suffix_mask_share=args.suffix_mask_share, rows=rows,
+                                      decay_gamma=args.decay_gamma)
     print(f"done: {report['steps']} steps, {report['tokens_seen']} tokens, train loss "
           f"{report['final_train_loss']:.3f}, held-out loss {report['held_out_loss']:.3f} -> {args.out}")
+    return 0
+
+
+def _self_distill(args: argparse.Namespace) -> int:
+    from failfast.embedded import resolve_model
+    from failfast.train.selfdistill import SelfDistillSettings, generate_self_distillation
+
+    if not args.target or not args.data:
+        raise GenerationInputError("train selfdistill needs --target and --data")
+    settings = SelfDistillSettings(tokens=args.tokens, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                                   batch_size=args.batch_size, sampled_share=args.sampled_share,
+                                   temperature=args.temperature, seed=args.seed)
+    manifest = generate_self_distillation(resolve_model(args.target), Path(args.data), Path(args.out), settings,
+                                          resolve_dtype(args.dtype))
+    rate = manifest["tokens_per_s_last_run"]
+    print(f"done: {manifest['rows']} rows, {manifest['target_tokens']} target tokens"
+          + (f", {rate:.0f} tok/s" if rate else "") + f" -> {args.out}")
     return 0
 
 
@@ -175,7 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tau", type=float, default=0.45, help="FailFast confidence threshold")
     g.add_argument("--chunk", type=int, default=10, help="FailFast / cost-aware chunk N")
     g.add_argument("--max-draft", type=int, default=60, help="FailFast / cost-aware maximum draft N_max")
-    g.add_argument("--unmask-threshold", type=float, default=0.05)
+    g.add_argument("--unmask-threshold", type=float, default=DEFAULT_UNMASK_THRESHOLD,
+                   help="block-diffusion: unmask every position above this confidence per pass (0: one pass "
+                        "per sub-block; the paper uses 0.05)")
+    g.add_argument("--denoise", choices=list(DENOISE_MODES), default="sub-block",
+                   help="block-diffusion pass: sub-block (block cache, cheaper) or full-block (exact)")
+    g.add_argument("--sub-block", type=int, help="block-diffusion sub-block size (default: the drafter's config)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the target's tokenizer.json)")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
@@ -185,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0, help="same seed, same tokens (with or without a drafter)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); output ends before it")
-    g.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    g.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                   help="auto: bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16, AMX), else float32")
     g.add_argument("--device", default="cpu")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=cmd_generate)
@@ -208,12 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--ar-drafter", default="ar-drafter")
     b.add_argument("--dllm-drafter", default=DEFAULT_DRAFTER)
     b.add_argument("--threads", type=int, help="torch CPU threads")
-    b.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                   help="float64 makes the token-identity check immune to rounding near-ties")
+    b.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                   help="auto as for generate; float64 makes the token-identity check immune to rounding near-ties")
     b.set_defaults(func=cmd_bench)
 
     t = sub.add_parser("train", help="train the embedded models (data, ar, diffusion stages)")
-    t.add_argument("stage", choices=["data", "ar", "diffusion"])
+    t.add_argument("stage", choices=["data", "ar", "diffusion", "selfdistill"])
     t.add_argument("--out", required=True, help="output folder")
     t.add_argument("--corpus", help="[data] folder of .py files (default: this Python's stdlib)")
     t.add_argument("--vocab-size", type=int, default=8192, help="[data] BPE vocabulary size")
@@ -222,6 +257,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--init", help="[diffusion] AR model folder to convert; [ar] checkpoint to continue "
                                    "from instead of a fresh --size model (e.g. to distil a pretrained drafter)")
     t.add_argument("--teacher", help="[ar, diffusion] model folder to distil from (e.g. the trained target)")
+    t.add_argument("--rows", help="[ar, diffusion] train on the target's self-distillation rows in this folder "
+                   "(written by the selfdistill stage) instead of the corpus")
+    t.add_argument("--target", help="[selfdistill] the target model whose continuations become training data")
+    t.add_argument("--tokens", type=int, default=10_000_000, help="[selfdistill] target tokens to generate")
+    t.add_argument("--prompt-len", type=int, default=64, help="[selfdistill] corpus tokens before each continuation")
+    t.add_argument("--new-tokens", type=int, default=192, help="[selfdistill] target tokens per row")
+    t.add_argument("--sampled-share", type=float, default=0.25,
+                   help="[selfdistill] share of rows sampled at --temperature instead of greedy")
+    t.add_argument("--temperature", type=float, default=0.8, help="[selfdistill] sampling temperature")
+    t.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto", help="[selfdistill] inference dtype")
+    t.add_argument("--decay-gamma", type=float,
+                   help="[diffusion] weight the k-th masked token of a block by exp(-(k-1)/gamma)")
     t.add_argument("--block-size", type=int, default=32)
     t.add_argument("--sub-block-size", type=int, default=8)
     t.add_argument("--suffix-mask-share", type=float, default=0.0,
@@ -236,6 +283,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--save-every", type=int, default=200)
     t.add_argument("--threads", type=int, help="torch CPU threads")
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    t.add_argument("--resume-from", help="continue from this folder when OUT/checkpoint is missing: 16-bit "
+                   "weights + state.json saved by a session (new optimizer moments, short re-warm-up)")
+    t.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="auto: bf16 autocast where bf16 is native (AVX512-BF16, AMX, CUDA), else fp32")
+    t.add_argument("--no-compile", action="store_true", help="skip torch.compile (faster start, slower steps)")
     t.set_defaults(func=cmd_train)
     return p
 

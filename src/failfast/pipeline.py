@@ -9,10 +9,12 @@ from typing import Sequence
 import torch
 
 from failfast.drafters import ARDrafter, BlockDiffusionDrafter, Drafter
+from failfast.drafters.block_diffusion import DEFAULT_UNMASK_THRESHOLD
 from failfast.embedded import resolve_model
 from failfast.engine import GenerationResult, SpeculativeEngine
 from failfast.errors import GenerationInputError, IncompatibleModelsError
 from failfast.model import LoadedModel, load_model
+from failfast.model.precision import default_dtype
 from failfast.policies import Policy
 from failfast.verify import SamplingParams
 
@@ -37,12 +39,14 @@ def check_vocabularies(target: LoadedModel, drafter: LoadedModel) -> None:
             f"{target.config.vocab_size}")
 
 
-def make_drafter(target: LoadedModel, drafter: LoadedModel, unmask_threshold: float = 0.05) -> Drafter:
-    """A block-diffusion drafter if the checkpoint is one, else an autoregressive drafter."""
+def make_drafter(target: LoadedModel, drafter: LoadedModel, unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD,
+                 denoise: str = "sub-block", sub_block_size: int | None = None) -> Drafter:
+    """A block-diffusion drafter if the checkpoint is one, else an autoregressive drafter
+    (`unmask_threshold`, `denoise` and `sub_block_size` only apply to block diffusion)."""
     check_vocabularies(target, drafter)
     limit = min(target.config.vocab_size, drafter.config.vocab_size)
     if drafter.config.is_block_diffusion or drafter.config.mask_token_id is not None:
-        return BlockDiffusionDrafter(drafter, limit, unmask_threshold)
+        return BlockDiffusionDrafter(drafter, limit, unmask_threshold, denoise, sub_block_size)
     return ARDrafter(drafter, limit)
 
 
@@ -59,14 +63,16 @@ class Pipeline:
 
     @classmethod
     def load(cls, target: str | Path, drafter: str | Path | None = None, policy: Policy | None = None, *,
-             unmask_threshold: float = 0.05, dtype: torch.dtype = torch.float32,
-             device: str = "cpu") -> "Pipeline":
+             unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD, denoise: str = "sub-block", sub_block_size: int | None = None,
+             dtype: torch.dtype | None = None, device: str = "cpu") -> "Pipeline":
+        dtype = dtype or default_dtype(device)  # bfloat16 only where it is native (model/precision.py)
         tgt = load_model(resolve_model(target), dtype=dtype, device=device)
         if drafter is None:
             return cls(tgt, SpeculativeEngine(tgt))
         if policy is None:
             raise GenerationInputError("a drafter needs a policy (Fixed or FailFast)")
-        drf = make_drafter(tgt, load_model(resolve_model(drafter), dtype=dtype, device=device), unmask_threshold)
+        drf = make_drafter(tgt, load_model(resolve_model(drafter), dtype=dtype, device=device), unmask_threshold,
+                           denoise, sub_block_size)
         return cls(tgt, SpeculativeEngine(tgt, drf, policy))
 
     def encode(self, text: str) -> list[int]:

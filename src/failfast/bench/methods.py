@@ -14,6 +14,7 @@ import torch
 
 from failfast.costs import measure_costs
 from failfast.drafters import ARDrafter, BlockDiffusionDrafter, Drafter
+from failfast.drafters.block_diffusion import DEFAULT_UNMASK_THRESHOLD
 from failfast.drafters.oracle import OracleDrafter
 from failfast.engine import SpeculativeEngine
 from failfast.model import LoadedModel, load_model
@@ -36,9 +37,17 @@ class MethodSpec:
     name: str
     kind: str                      # ar | hf | hf-assisted | ar-drafter | dllm-drafter | oracle
     policy: Policy | None = None
-    unmask_threshold: float = 0.05
+    unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD
+    denoise: str = "sub-block"     # block-diffusion pass: sub-block (block cache) or full-block
+    sub_block_size: int | None = None  # None: the drafter's config
     schedule: str | None = None    # transformers assisted generation schedule
     cost_aware: bool = False       # policy = CostAware with costs measured on the first prompt
+
+    @property
+    def is_peer(self) -> bool:
+        """Another engine on the same weights: its own kernels round differently from ours, so in
+        16 bits its tokens may differ from our plain AR (reported, not an error)."""
+        return self.kind in ("hf", "hf-assisted")
 
 
 def default_methods() -> list[MethodSpec]:
@@ -61,7 +70,10 @@ def default_methods() -> list[MethodSpec]:
         MethodSpec("failfast-N20", "dllm-drafter", FailFast(chunk=20)),
         MethodSpec("failfast-Nmax30", "dllm-drafter", FailFast(max_draft=30)),
         MethodSpec("failfast-u0.3", "dllm-drafter", ff, unmask_threshold=0.3),
-        MethodSpec("failfast-u0", "dllm-drafter", ff, unmask_threshold=0.0),  # one pass per sub-block
+        MethodSpec("failfast-u0.05", "dllm-drafter", ff, unmask_threshold=0.05),  # the paper's threshold
+        MethodSpec("failfast-full-block", "dllm-drafter", ff, denoise="full-block"),
+        MethodSpec("failfast-s4", "dllm-drafter", ff, sub_block_size=4),
+        MethodSpec("failfast-s16", "dllm-drafter", ff, sub_block_size=16),
         MethodSpec("failfast-cost", "dllm-drafter", cost_aware=True),
         MethodSpec("oracle", "oracle", Fixed(60)),
     ]
@@ -116,7 +128,8 @@ class MethodFactory:
         if spec.kind == "ar-drafter":
             drafter = ARDrafter(self._drafter_model("ar"), limit)
         elif spec.kind == "dllm-drafter":
-            drafter = BlockDiffusionDrafter(self._drafter_model("dllm"), limit, spec.unmask_threshold)
+            drafter = BlockDiffusionDrafter(self._drafter_model("dllm"), limit, spec.unmask_threshold,
+                                            spec.denoise, spec.sub_block_size)
         elif spec.kind == "oracle":
             def run_oracle(prompt: list[int], max_new: int, reference: list[int]) -> MethodOutput:
                 oracle = SpeculativeEngine(self.target, OracleDrafter(len(prompt), reference), spec.policy)

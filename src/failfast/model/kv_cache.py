@@ -26,9 +26,12 @@ class KVCache:
             raise ValueError(f"cannot roll back a cache of length {self.length} to {length}")
         self.length = length
 
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store K/V at [start, start+T) and return all keys/values up to start+T."""
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor,
+              context_end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store K/V at [start, start+T) and return all keys/values up to start+T, or up to
+        `context_end` when the caller also reads scratch K/V written past it earlier."""
         end = start + k.shape[2]
         self.keys[layer][:, :, start:end] = k
         self.values[layer][:, :, start:end] = v
-        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+        read = max(end, context_end or 0)
+        return self.keys[layer][:, :, :read], self.values[layer][:, :, :read]

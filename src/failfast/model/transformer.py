@@ -14,6 +14,8 @@ from torch import Tensor, nn
 from failfast.model.config import ModelConfig
 from failfast.model.kv_cache import KVCache
 
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
 
 def attention_mask(q_pos: Tensor, k_pos: Tensor, block_size: int | None) -> Tensor:
     """Boolean [Tq, Tk] mask: True where a query may attend to a key."""
@@ -50,6 +52,27 @@ class Rotary(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def batch_invariant_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """Attention whose result for a query does not depend on how many queries share the call.
+
+    16-bit verification must round exactly like one-token decoding, or a near-tie flips a
+    token and the output is no longer the target's (docs/design.md, "Precision"). PyTorch's
+    CPU SDPA picks different kernels for one query and for several; its 16-bit matmuls, with
+    float32 accumulation over the same order, do not. So: grouped-query matmuls, softmax in
+    float32 (or wider), masked keys contributing exact zeros.
+    """
+    b, heads, t, d = q.shape
+    groups = k.shape[1]
+    per_group = heads // groups  # kv head j serves query heads j*per_group .. (j+1)*per_group-1
+    compute = torch.promote_types(q.dtype, torch.float32)
+    scores = (q.reshape(b, groups, per_group * t, d) @ k.transpose(-1, -2)).to(compute) * d ** -0.5
+    scores = scores.view(b, groups, per_group, t, -1)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = scores.softmax(-1).to(v.dtype).view(b, groups, per_group * t, -1)
+    return (weights @ v).view(b, heads, t, d)
+
+
 def _rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -69,7 +92,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None,
-                cache: KVCache | None, layer: int, start: int) -> Tensor:
+                cache: KVCache | None, layer: int, start: int, context_end: int | None) -> Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
@@ -77,8 +100,11 @@ class Attention(nn.Module):
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
-            k, v = cache.write(layer, start, k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+            k, v = cache.write(layer, start, k, v, context_end)
+        if cache is not None and q.dtype in HALF_DTYPES:
+            out = batch_invariant_attention(q, k, v, mask)  # inference in 16 bits: lossless verification
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 
@@ -102,8 +128,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None,
-                cache: KVCache | None, layer: int, start: int) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, layer, start)
+                cache: KVCache | None, layer: int, start: int, context_end: int | None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, layer, start, context_end)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -141,32 +167,38 @@ class Transformer(nn.Module):
                        self.dtype, self.device, batch)
 
     def _hidden(self, tokens: Tensor, positions: Tensor, mask: Tensor | None,
-                cache: KVCache | None, start: int) -> Tensor:
+                cache: KVCache | None, start: int, context_end: int | None = None) -> Tensor:
         x = self.model.embed_tokens(tokens)
         rope = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, mask, cache, i, start)
+            x = layer(x, rope, mask, cache, i, start, context_end)
         return self.model.norm(x)
 
     def forward(self, tokens: Tensor, start: int, cache: KVCache, *, block_size: int | None = None,
-                commit: bool = True, logits_at: slice | list[int] | None = None) -> Tensor:
+                commit: bool = True, logits_at: slice | list[int] | None = None,
+                context_end: int | None = None) -> Tensor:
         """Logits for `tokens` [B, T] at positions start..start+T-1, attending to the cache.
 
         The cache must hold exactly positions [0, start). With `commit` the new K/V count as
         cached afterwards; without it they are scratch (a diffusion denoising pass).
         `logits_at` selects the positions (indices into T) that need logits: the output head
         is the costliest layer of a small model, so drafters ask only for what they read.
+
+        A scratch pass may also start past `cache.length` and attend up to `context_end`:
+        positions [cache.length, context_end) outside its own tokens then contribute the
+        scratch K/V an earlier pass wrote there (the block cache of a sub-block pass).
         """
-        if start != cache.length:
-            raise ValueError(f"forward at position {start} but the cache holds {cache.length}")
         t = tokens.shape[1]
-        if start + t > cache.capacity:
-            raise ValueError(f"positions up to {start + t} exceed the cache capacity {cache.capacity}")
+        if start != cache.length and (commit or context_end is None or start < cache.length):
+            raise ValueError(f"forward at position {start} but the cache holds {cache.length}")
+        end = max(start + t, context_end or 0)
+        if end > cache.capacity:
+            raise ValueError(f"positions up to {end} exceed the cache capacity {cache.capacity}")
         positions = torch.arange(start, start + t, device=tokens.device)
         mask = None
-        if t > 1 or block_size is not None:
-            mask = attention_mask(positions, torch.arange(start + t, device=tokens.device), block_size)
-        hidden = self._hidden(tokens, positions, mask, cache, start)
+        if t > 1 or block_size is not None or end > start + t:
+            mask = attention_mask(positions, torch.arange(end, device=tokens.device), block_size)
+        hidden = self._hidden(tokens, positions, mask, cache, start, context_end)
         logits = self.lm_head(hidden if logits_at is None else hidden[:, logits_at])
         if commit:
             cache.length = start + t
