@@ -29,7 +29,8 @@ def counting_stream(length: int = 4000) -> torch.Tensor:
 def train_pair(folder: Path) -> tuple[Path, Path]:
     cfg = tiny_config(vocab_size=48, hidden_size=48, intermediate_size=96, eos_token_ids=())
     stream = counting_stream()
-    settings = TrainSettings(steps=120, batch_size=16, seq_len=48, lr=3e-3, warmup=10, save_every=1000, eval_batches=1)
+    settings = TrainSettings(steps=120, batch_size=16, seq_len=48, lr=3e-3, warmup=10, save_every=1000, eval_batches=1,
+                             compile=False)
     torch.manual_seed(0)
     target = Transformer(cfg)
     train(target, ar_loss, stream, stream, settings, folder / "target-run", None)

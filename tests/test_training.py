@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,10 +13,11 @@ import torch
 from failfast import CheckpointError, FailfastError, Fixed, SpeculativeEngine, load_model, make_drafter
 from failfast.cli import main
 from failfast.train.corpus import CorpusError, split_corpus
-from failfast.train.data import PreparedData, prepare_data
-from failfast.train.loop import TrainSettings, train
-from failfast.train.objectives import ar_loss, block_masks, teacher_probs
+from failfast.train.data import PreparedData, prepare_data, windows
+from failfast.train.loop import TrainSettings, export_resume_point, lr_at, train
+from failfast.train.objectives import ar_loss, block_diffusion_loss, block_masks, masked_rank_in_block, teacher_probs
 from failfast.train.recipe import convert_to_diffusion, new_model, train_ar
+from failfast.train.selfdistill import SelfDistillSettings, generate_self_distillation, load_rows
 
 SOURCE = textwrap.dedent('''
     def add(a, b):
@@ -44,7 +46,8 @@ def data_dir(tmp_path_factory) -> Path:
 
 
 def _settings(steps: int) -> TrainSettings:
-    return TrainSettings(steps=steps, batch_size=4, seq_len=48, lr=3e-3, warmup=2, save_every=5, eval_batches=2)
+    return TrainSettings(steps=steps, batch_size=4, seq_len=48, lr=3e-3, warmup=2, save_every=5, eval_batches=2,
+                         compile=False)
 
 
 def test_split_is_deterministic_and_holds_out_files(data_dir):
@@ -70,26 +73,66 @@ def test_ar_and_diffusion_stages_learn_and_reload(data_dir, tmp_path):
     assert SpeculativeEngine(target, make_drafter(target, drafter), Fixed(6)).generate(prompt, 20).token_ids == plain
 
 
+def _killed_at_call(n: int):
+    """The AR loss, but the run is killed (KeyboardInterrupt) at its n-th call."""
+    calls = 0
+
+    def loss(model, batch, gen):
+        nonlocal calls
+        calls += 1
+        if calls == n:
+            raise KeyboardInterrupt
+        return ar_loss(model, batch, gen)
+    return loss
+
+
 def test_resume_continues_from_the_checkpoint(data_dir, tmp_path):
     data = PreparedData.load(data_dir)
     straight = train(new_model("tiny", data.tokenizer.vocab_size, 0, seed=0), ar_loss, data.train, data.held_out,
                      _settings(12), tmp_path / "straight", None)
-    calls = 0
-
-    def dies_at_step_8(model, batch, gen):
-        nonlocal calls
-        calls += 1
-        if calls == 8:
-            raise KeyboardInterrupt  # the run is killed after its checkpoint at step 5
-        return ar_loss(model, batch, gen)
-
-    with pytest.raises(KeyboardInterrupt):
-        train(new_model("tiny", data.tokenizer.vocab_size, 0, seed=0), dies_at_step_8, data.train, data.held_out,
-              _settings(12), tmp_path / "resumed", None)
+    with pytest.raises(KeyboardInterrupt):  # killed at step 8, after its checkpoint at step 5
+        train(new_model("tiny", data.tokenizer.vocab_size, 0, seed=0), _killed_at_call(8), data.train,
+              data.held_out, _settings(12), tmp_path / "resumed", None)
     resumed = train(new_model("tiny", data.tokenizer.vocab_size, 0, seed=1), ar_loss, data.train, data.held_out,
                     _settings(12), tmp_path / "resumed", None, resume=True)
     assert resumed["steps"] == 12 and len(resumed["history"]) == 12
     assert [h["loss"] for h in resumed["history"]] == pytest.approx([h["loss"] for h in straight["history"]], rel=1e-4)
+
+
+def test_a_session_resumes_from_exported_16_bit_weights(data_dir, tmp_path):
+    data = PreparedData.load(data_dir)
+    first = lambda: new_model("tiny", data.tokenizer.vocab_size, 0, seed=0)  # noqa: E731
+    with pytest.raises(KeyboardInterrupt):  # killed at step 11, after its checkpoint at step 10
+        train(first(), _killed_at_call(11), data.train, data.held_out, _settings(16), tmp_path / "run", None)
+    export_resume_point(tmp_path / "run" / "checkpoint", tmp_path / "shipped")   # step 10, no optimizer state
+    assert not (tmp_path / "shipped" / "optimizer.safetensors").exists()
+    assert json.loads((tmp_path / "shipped" / "config.json").read_text())["torch_dtype"] == "float16"
+    resumed = train(first(), ar_loss, data.train, data.held_out, _settings(16), tmp_path / "next-session", None,
+                    resume=True, resume_from=tmp_path / "shipped")
+    assert resumed["steps"] == 16 and len(resumed["history"]) == 16 and resumed["fresh_optimizer_at"] == 10
+    assert resumed["wall_s_total"] > resumed["wall_s_this_run"]
+    settings = _settings(16)
+    assert lr_at(10, settings, 10) == pytest.approx(lr_at(10, settings) / settings.warmup)  # warms up again
+    assert lr_at(12, settings, 10) == pytest.approx(lr_at(12, settings))
+    # the weights continued: the first resumed loss is close to the last one before the stop
+    assert abs(resumed["history"][10]["loss"] - resumed["history"][9]["loss"]) < 0.3
+
+
+def test_compiled_training_matches_eager_losses(data_dir, tmp_path):
+    data = PreparedData.load(data_dir)
+    runs = [train(new_model("tiny", data.tokenizer.vocab_size, 0, seed=0), ar_loss, data.train, data.held_out,
+                  replace(_settings(3), compile=compiled), tmp_path / str(compiled), None) for compiled in (False, True)]
+    assert [h["loss"] for h in runs[1]["history"]] == pytest.approx([h["loss"] for h in runs[0]["history"]], rel=1e-3)
+
+
+def test_bf16_autocast_is_used_only_where_native(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr("failfast.train.loop.has_native_bf16", lambda device: False)
+    assert not TrainSettings(1, 1, 8).uses_bf16(cpu) and TrainSettings(1, 1, 8, precision="bf16").uses_bf16(cpu)
+    monkeypatch.setattr("failfast.train.loop.has_native_bf16", lambda device: True)
+    assert TrainSettings(1, 1, 8).uses_bf16(cpu) and not TrainSettings(1, 1, 8, precision="fp32").uses_bf16(cpu)
+    with pytest.raises(FailfastError, match="precision"):
+        TrainSettings(1, 1, 8, precision="fp8")
 
 
 def test_empty_and_missing_corpus(tmp_path):
@@ -177,7 +220,8 @@ def test_ar_training_can_continue_from_a_checkpoint(data_dir, tmp_path):
 
 
 def test_train_cli_runs_every_stage(data_dir, tmp_path, capsys):
-    common = ["--data", str(data_dir), "--steps", "4", "--batch-size", "2", "--seq-len", "32", "--save-every", "2"]
+    common = ["--data", str(data_dir), "--steps", "4", "--batch-size", "2", "--seq-len", "32", "--save-every", "2",
+              "--no-compile"]
     assert main(["train", "ar", "--size", "tiny", "--out", str(tmp_path / "ar"), *common]) == 0
     assert main(["train", "diffusion", "--init", str(tmp_path / "ar"), "--out", str(tmp_path / "dllm"),
                  "--block-size", "8", "--sub-block-size", "4", "--teacher", str(tmp_path / "ar"),
@@ -190,3 +234,48 @@ def test_train_cli_runs_every_stage(data_dir, tmp_path, capsys):
     assert report["objective"] == {"suffix_mask_share": 0.5}
     assert main(["train", "diffusion", "--init", str(tmp_path / "ar"), "--out", str(tmp_path / "bad"),
                  "--block-size", "8", "--sub-block-size", "3", *common]) == 2
+
+
+def test_self_distillation_rows_are_the_targets_own_continuations(data_dir, tmp_path):
+    train_ar(data_dir, tmp_path / "target", "tiny", _settings(20))
+    settings = SelfDistillSettings(tokens=2 * 3 * 12, prompt_len=8, new_tokens=12, batch_size=3, shard_batches=1,
+                                   sampled_share=0.5, temperature=1.0, seed=3)
+    manifest = generate_self_distillation(tmp_path / "target", data_dir, tmp_path / "sd", settings)
+    assert manifest["rows"] == 6 and manifest["target_tokens"] == 72 and settings.shards == 2
+    rows = load_rows(tmp_path / "sd")
+    assert rows.shape == (6, 20)
+    target = load_model(tmp_path / "target", dtype=torch.float32)
+    corpus = " ".join(map(str, PreparedData.load(data_dir).train.tolist()))
+    greedy = 0
+    for row in rows.tolist():
+        assert " ".join(map(str, row[:8])) in corpus  # the prompt is a corpus window
+        own = SpeculativeEngine(target).generate(row[:8], 12).token_ids
+        greedy += row[8:] == own[:12] or (0 in own and row[8:8 + len(own)] == own)
+    assert 1 <= greedy < 6  # greedy rows reproduce the target; sampled rows (about half) differ
+    # A lost shard is regenerated identically; other settings in the same folder are refused.
+    first = (tmp_path / "sd" / "rows-00000.npy").read_bytes()
+    (tmp_path / "sd" / "rows-00000.npy").unlink()
+    generate_self_distillation(tmp_path / "target", data_dir, tmp_path / "sd", settings)
+    assert (tmp_path / "sd" / "rows-00000.npy").read_bytes() == first
+    with pytest.raises(FailfastError, match="other settings"):
+        generate_self_distillation(tmp_path / "target", data_dir, tmp_path / "sd", replace(settings, seed=4))
+    # Drafters train on the rows: windows never cross rows, and the losses fall.
+    student = train_ar(data_dir, tmp_path / "student", "tiny", replace(_settings(15), seq_len=16),
+                       rows=tmp_path / "sd")
+    assert student["objective"] == {"rows": str(tmp_path / "sd")}
+    assert student["history"][-1]["loss"] < student["history"][0]["loss"]
+    window = windows(rows, 4, 16, torch.Generator().manual_seed(0))
+    assert all(any(" ".join(map(str, w)) in " ".join(map(str, r)) for r in rows.tolist()) for w in window.tolist())
+
+
+def test_position_decay_weights_a_blocks_first_masked_tokens_most():
+    masks = torch.tensor([[0, 1, 0, 1, 1, 1, 0, 0, 1, 1]], dtype=torch.bool)
+    assert masked_rank_in_block(masks, 4).tolist() == [[0, 1, 1, 2, 1, 2, 2, 2, 1, 2]]
+    model = new_model("tiny", 300, 0, seed=0)
+    tokens = torch.randint(2, 300, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = block_diffusion_loss(model, tokens, 8, 1, torch.Generator().manual_seed(1))
+        huge_gamma = block_diffusion_loss(model, tokens, 8, 1, torch.Generator().manual_seed(1), decay_gamma=1e9)
+        decayed = block_diffusion_loss(model, tokens, 8, 1, torch.Generator().manual_seed(1), decay_gamma=1.0)
+    assert float(huge_gamma) == pytest.approx(float(plain), rel=1e-5)  # no decay: the plain mean
+    assert float(decayed) != pytest.approx(float(plain), rel=1e-3)

@@ -73,7 +73,14 @@ class PreparedData:
 
 
 def windows(stream: Tensor, batch: int, length: int, generator: torch.Generator) -> Tensor:
-    """`batch` random windows of `length` tokens from a 1-D token stream."""
+    """`batch` random windows of `length` tokens from a 1-D token stream, or from random rows
+    of a 2-D [N, L] tensor (self-distillation rows: a window never spans two rows)."""
+    if stream.dim() == 2:
+        if stream.shape[1] < length:
+            raise FailfastError(f"rows have {stream.shape[1]} tokens, fewer than one window of {length}")
+        rows = torch.randint(0, stream.shape[0], (batch,), generator=generator)
+        offsets = torch.randint(0, stream.shape[1] - length + 1, (batch,), generator=generator)
+        return torch.stack([stream[r, o:o + length] for r, o in zip(rows.tolist(), offsets.tolist())])
     if stream.numel() <= length:
         raise FailfastError(f"corpus has {stream.numel()} tokens, fewer than one window of {length}")
     starts = torch.randint(0, stream.numel() - length, (batch,), generator=generator)

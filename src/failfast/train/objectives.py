@@ -73,15 +73,26 @@ def block_masks(batch: int, length: int, block_size: int, generator: torch.Gener
     return masked.to(device)
 
 
+def masked_rank_in_block(masks: Tensor, block_size: int) -> Tensor:
+    """For each position of [N, L] masks, how many masked positions of its block lie at or
+    before it: 1 for a block's first masked position (its first drafted token), 2 for the next."""
+    n, length = masks.shape
+    pad = -length % block_size
+    padded = torch.nn.functional.pad(masks.long(), (0, pad)).view(n, -1, block_size)
+    return padded.cumsum(-1).view(n, -1)[:, :length]
+
+
 def block_diffusion_loss(model: Transformer, tokens: Tensor, block_size: int, mask_token_id: int,
                          generator: torch.Generator | None = None, teacher: Transformer | None = None,
-                         suffix_share: float = 0.0) -> Tensor:
+                         suffix_share: float = 0.0, decay_gamma: float | None = None) -> Tensor:
     """Cross-entropy on masked positions, each sequence trained with a mask and its complement.
 
     The prediction for position j is read at j - 1 (token shift): from the noisy copy
     inside a block, from the clean copy for a block's first token (as at inference, where
     it comes from the previous block's committed pass). With a teacher, each masked
     position learns the teacher's next-token distribution instead of the corpus token.
+    `decay_gamma` weights the k-th masked position of a block by exp(-(k-1)/gamma) (as DFlash
+    recipes do): a draft is only worth its accepted prefix, so early tokens matter most.
     """
     b, length = tokens.shape
     m = block_masks(b, length, block_size, generator, tokens.device, suffix_share)
@@ -100,4 +111,9 @@ def block_diffusion_loss(model: Transformer, tokens: Tensor, block_size: int, ma
     selected = masks[:, 1:]
     logits = model.lm_head(shifted[selected])
     labels = clean[:, 1:] if teacher is None else teacher_probs(teacher, tokens).repeat(2, 1, 1)
-    return F.cross_entropy(logits.float(), labels[selected])
+    if decay_gamma is None:
+        return F.cross_entropy(logits.float(), labels[selected])
+    rank = masked_rank_in_block(masks, block_size)[:, 1:][selected]
+    weights = torch.exp(-(rank - 1).float() / decay_gamma)
+    losses = F.cross_entropy(logits.float(), labels[selected], reduction="none")
+    return (weights * losses).sum() / weights.sum()

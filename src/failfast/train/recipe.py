@@ -6,13 +6,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from failfast.errors import FailfastError
 from failfast.model import ModelConfig, Transformer, load_model
 from failfast.train.data import PreparedData
 from failfast.train.loop import TrainSettings, train
 from failfast.train.objectives import ar_loss, block_diffusion_loss
+from failfast.train.selfdistill import load_rows
 from failfast.train.tokenizer import special_ids
 
 # Shapes chosen by measurement on a 2-core CPU (see the model cards): the target's decode
@@ -66,10 +67,17 @@ def _trainable(init_dir: Path, vocab_size: int) -> Transformer:
     return model.requires_grad_(True)
 
 
+def _train_stream(data: PreparedData, rows: Path | None) -> Tensor:
+    """The corpus stream, or the target's self-distillation rows when given."""
+    return data.train if rows is None else load_rows(rows)
+
+
 def train_ar(data_dir: Path, out: Path, size: str, settings: TrainSettings, *, resume: bool = False,
-             teacher: Path | None = None, init: Path | None = None) -> dict:
-    """Next-token training on the prepared corpus: of a fresh model of `size`, or continuing
-    from the checkpoint `init`; against a teacher's distributions if one is given."""
+             teacher: Path | None = None, init: Path | None = None, resume_from: Path | None = None,
+             rows: Path | None = None) -> dict:
+    """Next-token training on the prepared corpus (or self-distillation `rows`): of a fresh
+    model of `size`, or continuing from the checkpoint `init`; against a teacher's
+    distributions if one is given."""
     data = PreparedData.load(data_dir)
     eos, _ = special_ids(data.tokenizer)
     vocab = data.tokenizer.vocab_size
@@ -77,13 +85,16 @@ def train_ar(data_dir: Path, out: Path, size: str, settings: TrainSettings, *, r
     t = _teacher(teacher, vocab)
     loss = lambda m, batch, gen: ar_loss(m, batch, gen, t)  # noqa: E731
     label = f"AR {size}" if init is None else f"AR from {init.name}"
-    return train(model, loss, data.train, data.held_out, settings, out, data.tokenizer,
-                 resume=resume, label=label + (" (distilled)" if t is not None else ""))
+    return train(model, loss, _train_stream(data, rows), data.held_out, settings, out, data.tokenizer,
+                 resume=resume, resume_from=resume_from, label=label + (" (distilled)" if t is not None else ""),
+                 objective={"rows": str(rows)} if rows else None)
 
 
 def convert_to_diffusion(init_dir: Path, data_dir: Path, out: Path, settings: TrainSettings, *,
                          block_size: int = 32, sub_block_size: int = 8, resume: bool = False,
-                         teacher: Path | None = None, suffix_mask_share: float = 0.0) -> dict:
+                         teacher: Path | None = None, suffix_mask_share: float = 0.0,
+                         resume_from: Path | None = None, rows: Path | None = None,
+                         decay_gamma: float | None = None) -> dict:
     """Fast-dLLM v2-style conversion: start from AR weights, add a mask token, train block
     diffusion (`suffix_mask_share`: see `block_masks`). Continues a block-diffusion model too."""
     if block_size < 1 or sub_block_size < 1 or block_size % sub_block_size:
@@ -91,6 +102,8 @@ def convert_to_diffusion(init_dir: Path, data_dir: Path, out: Path, settings: Tr
                             f"sub-block size ({sub_block_size})")
     if not 0 <= suffix_mask_share <= 1:
         raise FailfastError(f"suffix mask share must be in [0, 1], got {suffix_mask_share}")
+    if decay_gamma is not None and decay_gamma <= 0:
+        raise FailfastError(f"position decay gamma must be > 0, got {decay_gamma}")
     data = PreparedData.load(data_dir)
     _, mask_id = special_ids(data.tokenizer)
     ar = _trainable(init_dir, data.tokenizer.vocab_size)
@@ -100,6 +113,8 @@ def convert_to_diffusion(init_dir: Path, data_dir: Path, out: Path, settings: Tr
     model.requires_grad_(True)
     t = _teacher(teacher, data.tokenizer.vocab_size)
     loss = lambda m, batch, gen: block_diffusion_loss(m, batch, block_size, mask_id, gen, t,  # noqa: E731
-                                                      suffix_mask_share)
-    return train(model, loss, data.train, data.held_out, settings, out, data.tokenizer, resume=resume,
-                 label="AR -> block diffusion", objective={"suffix_mask_share": suffix_mask_share})
+                                                      suffix_mask_share, decay_gamma)
+    objective = {"suffix_mask_share": suffix_mask_share, **({"decay_gamma": decay_gamma} if decay_gamma else {}),
+                 **({"rows": str(rows)} if rows else {})}
+    return train(model, loss, _train_stream(data, rows), data.held_out, settings, out, data.tokenizer,
+                 resume=resume, resume_from=resume_from, label="AR -> block diffusion", objective=objective)
