@@ -1,5 +1,8 @@
 """Copy trained models from runs/ into the package with model cards (16-bit weights).
 
+A stage whose runs/ folder is gone (a fresh checkout that trained only a later stage) keeps
+its row from the shipped card, and a model whose last stage is gone keeps its shipped weights.
+
     python scripts/ship_models.py [--runs runs] [--evaluation runs/evaluation.json]
 """
 
@@ -19,18 +22,22 @@ from failfast.embedded import CORPUS_MANIFEST, MODELS_DIR
 # Each shipped model: a description and the training stages that made it, in order
 # (name, runs/ folder); the last stage's folder holds the shipped weights.
 STAGES = {
-    "target": ("AR target", [("pre-training", "target")]),
+    "target": ("AR target", [("pre-training", "target"), ("continued training", "target-v2")]),
     "ar-drafter": ("AR drafter (classic speculative-decoding baseline), distilled from the target",
-                   [("pre-training", "drafter-ar-base"), ("distillation from the target", "drafter-ar")]),
+                   [("pre-training", "drafter-ar-base"), ("distillation from the first target", "drafter-ar"),
+                    ("training on the target's self-distilled continuations", "drafter-ar-sd")]),
     "dllm-drafter": ("block-diffusion drafter converted from the AR drafter (Fast-dLLM v2 recipe), "
-                     "distilled from the target",
-                     [("AR pre-training", "drafter-ar-base"), ("AR distillation from the target", "drafter-ar"),
-                      ("block-diffusion conversion, distilled from the target", "drafter-dllm")]),
+                     "trained on the target's own continuations",
+                     [("AR pre-training", "drafter-ar-base"), ("AR distillation from the first target", "drafter-ar"),
+                      ("block-diffusion conversion, distilled from the first target", "drafter-dllm"),
+                      ("block diffusion on the target's self-distilled continuations", "drafter-dllm-sd")]),
 }
 SHARD_BYTES = 16 * 2**20  # keep every shipped file small
 
 
-def stage_row(stage: str, run: Path) -> str:
+def stage_row(name: str, stage: str, run: Path) -> str:
+    if not (run / "training.json").is_file():
+        return shipped_row(name, stage)
     report = json.loads((run / "training.json").read_text())
     s = report["settings"]
     objective = "".join(f"; {key.replace('_', ' ')} {value}" for key, value in report.get("objective", {}).items())
@@ -43,9 +50,25 @@ def stage_row(stage: str, run: Path) -> str:
     )
 
 
+def shipped_row(name: str, stage: str) -> str:
+    """The stage's row in the model's shipped card: the record of a run no longer on disk."""
+    shipped = MODELS_DIR / name / "README.md"
+    lines = shipped.read_text().splitlines() if shipped.is_file() else []
+    for line in lines:
+        if line.startswith(f"| {stage} |"):
+            return line
+    raise SystemExit(f"stage '{stage}' of {name}: no training.json under runs/ and no row in {shipped}")
+
+
+def weights_folder(name: str, stages: list[tuple[str, str]], runs: Path) -> Path:
+    """The last stage's run if it is on disk, else the shipped model."""
+    run = runs / stages[-1][1]
+    return run if (run / "config.json").is_file() else MODELS_DIR / name
+
+
 def card(name: str, title: str, stages: list[tuple[str, str]], runs: Path, manifest: dict,
          evaluation: dict | None) -> str:
-    loaded = load_model(runs / stages[-1][1])
+    loaded = load_model(weights_folder(name, stages, runs))
     cfg = loaded.config
     params = sum(p.numel() for p in loaded.model.parameters())
     lines = [
@@ -67,7 +90,7 @@ def card(name: str, title: str, stages: list[tuple[str, str]], runs: Path, manif
                  f"files, {manifest['train_tokens']:,} tokens; {len(manifest['held_out_files'])} files "
                  f"({manifest['held_out_tokens']:,} tokens) held out by path hash |")
     for stage, run_name in stages:
-        lines.append(stage_row(stage, runs / run_name))
+        lines.append(stage_row(name, stage, runs / run_name))
     lines.append("| weights | float16 safetensors |")
     if any("distil" in stage for stage, _ in stages):
         lines += ["", "Losses of distilled stages are cross-entropies against the target's next-token "
@@ -102,12 +125,14 @@ def main() -> None:
     MODELS_DIR.mkdir(exist_ok=True)
     CORPUS_MANIFEST.write_text(json.dumps(manifest, indent=1) + "\n")
     for name, (title, stages) in STAGES.items():
-        run = args.runs / stages[-1][1]
-        dest = MODELS_DIR / name
-        loaded = load_model(run)
-        save_model(loaded.model, dest, dtype=torch.float16, tokenizer=loaded.tokenizer, max_shard_bytes=SHARD_BYTES)
-        (dest / "README.md").write_text(card(name, title, stages, args.runs, manifest, evaluation))
-        print(f"shipped {run} -> {dest}")
+        source, dest = weights_folder(name, stages, args.runs), MODELS_DIR / name
+        text = card(name, title, stages, args.runs, manifest, evaluation)
+        if source != dest:
+            loaded = load_model(source)
+            save_model(loaded.model, dest, dtype=torch.float16, tokenizer=loaded.tokenizer,
+                       max_shard_bytes=SHARD_BYTES)
+        (dest / "README.md").write_text(text)
+        print(f"shipped {source} -> {dest}")
 
 
 if __name__ == "__main__":
