@@ -53,7 +53,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     policy = _policy(args)
     pipe = Pipeline.load(args.target, args.drafter if policy else None, policy,
                          unmask_threshold=args.unmask_threshold, denoise=args.denoise, sub_block_size=args.sub_block,
-                         dtype=resolve_dtype(args.dtype, args.device), device=args.device)
+                         dtype=resolve_dtype(args.dtype, args.device),
+                         drafter_dtype=DTYPES[args.drafter_dtype] if args.drafter_dtype else None, device=args.device)
     prompt = args.prompt if args.prompt is not None else _prompt_ids(args.prompt_ids)
     if args.policy == "cost-aware":
         ids = pipe.encode(prompt) if isinstance(prompt, str) else prompt
@@ -221,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); output ends before it")
     g.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
                    help="auto: bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16, AMX), else float32")
+    g.add_argument("--drafter-dtype", choices=sorted(DTYPES),
+                   help="the drafter's dtype (default: --dtype's); drafts only, so never changes the output")
     g.add_argument("--device", default="cpu")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=cmd_generate)

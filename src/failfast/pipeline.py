@@ -64,15 +64,17 @@ class Pipeline:
     @classmethod
     def load(cls, target: str | Path, drafter: str | Path | None = None, policy: Policy | None = None, *,
              unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD, denoise: str = "sub-block", sub_block_size: int | None = None,
-             dtype: torch.dtype | None = None, device: str = "cpu") -> "Pipeline":
+             dtype: torch.dtype | None = None, drafter_dtype: torch.dtype | None = None,
+             device: str = "cpu") -> "Pipeline":
+        """`drafter_dtype` (default: `dtype`) never changes the output, only the drafting cost."""
         dtype = dtype or default_dtype(device)  # bfloat16 only where it is native (model/precision.py)
         tgt = load_model(resolve_model(target), dtype=dtype, device=device)
         if drafter is None:
             return cls(tgt, SpeculativeEngine(tgt))
         if policy is None:
             raise GenerationInputError("a drafter needs a policy (Fixed or FailFast)")
-        drf = make_drafter(tgt, load_model(resolve_model(drafter), dtype=dtype, device=device), unmask_threshold,
-                           denoise, sub_block_size)
+        drafter_model = load_model(resolve_model(drafter), dtype=drafter_dtype or dtype, device=device)
+        drf = make_drafter(tgt, drafter_model, unmask_threshold, denoise, sub_block_size)
         return cls(tgt, SpeculativeEngine(tgt, drf, policy))
 
     def encode(self, text: str) -> list[int]:

@@ -42,6 +42,7 @@ class MethodSpec:
     sub_block_size: int | None = None  # None: the drafter's config
     schedule: str | None = None    # transformers assisted generation schedule
     cost_aware: bool = False       # policy = CostAware with costs measured on the first prompt
+    drafter_dtype: torch.dtype | None = None  # None: the target's dtype
 
     @property
     def is_peer(self) -> bool:
@@ -74,6 +75,7 @@ def default_methods() -> list[MethodSpec]:
         MethodSpec("failfast-full-block", "dllm-drafter", ff, denoise="full-block"),
         MethodSpec("failfast-s4", "dllm-drafter", ff, sub_block_size=4),
         MethodSpec("failfast-s16", "dllm-drafter", ff, sub_block_size=16),
+        MethodSpec("failfast-drafter-fp32", "dllm-drafter", ff, drafter_dtype=torch.float32),
         MethodSpec("failfast-cost", "dllm-drafter", cost_aware=True),
         MethodSpec("oracle", "oracle", Fixed(60)),
     ]
@@ -86,14 +88,15 @@ class MethodFactory:
         self.paths = {"target": target, "ar": ar_drafter, "dllm": dllm_drafter}
         self.dtype = dtype
         self.target = load_model(target, dtype=dtype)
-        self._loaded: dict[str, LoadedModel] = {}
+        self._loaded: dict[tuple[str, torch.dtype], LoadedModel] = {}
         self._hf: dict[str, torch.nn.Module] = {}
 
-    def _drafter_model(self, which: str) -> LoadedModel:
-        if which not in self._loaded:
-            self._loaded[which] = load_model(self.paths[which], dtype=self.dtype)
-            check_vocabularies(self.target, self._loaded[which])
-        return self._loaded[which]
+    def _drafter_model(self, which: str, dtype: torch.dtype | None = None) -> LoadedModel:
+        key = (which, dtype or self.dtype)
+        if key not in self._loaded:
+            self._loaded[key] = load_model(self.paths[which], dtype=key[1])
+            check_vocabularies(self.target, self._loaded[key])
+        return self._loaded[key]
 
     def _hf_model(self, which: str) -> torch.nn.Module:
         if which not in self._hf:
@@ -126,9 +129,9 @@ class MethodFactory:
             return self._hf_runner(self._hf_model("ar"), spec.schedule)
         drafter: Drafter | None = None
         if spec.kind == "ar-drafter":
-            drafter = ARDrafter(self._drafter_model("ar"), limit)
+            drafter = ARDrafter(self._drafter_model("ar", spec.drafter_dtype), limit)
         elif spec.kind == "dllm-drafter":
-            drafter = BlockDiffusionDrafter(self._drafter_model("dllm"), limit, spec.unmask_threshold,
+            drafter = BlockDiffusionDrafter(self._drafter_model("dllm", spec.drafter_dtype), limit, spec.unmask_threshold,
                                             spec.denoise, spec.sub_block_size)
         elif spec.kind == "oracle":
             def run_oracle(prompt: list[int], max_new: int, reference: list[int]) -> MethodOutput:
