@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,3 +81,17 @@ def test_bf16_verification_rounds_like_one_token_decoding():
         one = torch.cat([model(ids[:, p:p + 1], p, one_cache) for p in range(start, start + 9)], dim=1)
         many = model(ids[:, start:start + 9], start, many_cache)
         assert torch.equal(one, many)
+
+
+def test_cli_drafter_dtype_applies_to_the_drafter_only(monkeypatch, capsys, random_models):
+    seen = {}
+
+    def recording_load(path, dtype, device):
+        seen[Path(path).name] = dtype
+        return load_model(path, dtype=dtype, device=device)
+    monkeypatch.setattr("failfast.pipeline.load_model", recording_load)
+    code = main(["generate", "--target", str(random_models["target"]), "--drafter", str(random_models["random-dllm"]),
+                 "--policy", "fixed", "--k", "3", "--prompt-ids", "3,4", "--max-new-tokens", "4", "--json",
+                 "--dtype", "float64", "--drafter-dtype", "float32"])
+    assert code == 0 and json.loads(capsys.readouterr().out)["stats"]["tokens"] == 4
+    assert seen == {random_models["target"].name: torch.float64, random_models["random-dllm"].name: torch.float32}
