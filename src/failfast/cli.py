@@ -221,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="same seed, same tokens (with or without a drafter)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); output ends before it")
     g.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
-                   help="auto: bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16, AMX), else float32")
+                   help="auto: float32 on CPUs, bfloat16 on CUDA (README, \"Precision\")")
     g.add_argument("--drafter-dtype", choices=sorted(DTYPES),
                    help="the drafter's dtype (default: --dtype's); drafts only, so never changes the output")
     g.add_argument("--device", default="cpu")

@@ -67,7 +67,7 @@ class Pipeline:
              dtype: torch.dtype | None = None, drafter_dtype: torch.dtype | None = None,
              device: str = "cpu") -> "Pipeline":
         """`drafter_dtype` (default: `dtype`) never changes the output, only the drafting cost."""
-        dtype = dtype or default_dtype(device)  # bfloat16 only where it is native (model/precision.py)
+        dtype = dtype or default_dtype(device)  # float32 on CPUs, bfloat16 on CUDA (model/precision.py)
         tgt = load_model(resolve_model(target), dtype=dtype, device=device)
         if drafter is None:
             return cls(tgt, SpeculativeEngine(tgt))

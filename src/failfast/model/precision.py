@@ -1,9 +1,13 @@
-"""Which floating-point type to run in: bfloat16 where the hardware multiplies it natively,
-float32 elsewhere (docs/design.md, "Precision").
+"""Which floating-point type to run in (docs/design.md, "Precision").
 
-On a CPU without native bf16 matrix instructions, PyTorch emulates bf16 matmuls: measured on
-an AVX2-only 2-core VM, a 32-token target forward took 106 ms in bf16 against 38 ms in
-float32, and bf16 training ran 25x slower. With AVX512-BF16 or AMX, bf16 is 1.3-1.9x faster.
+Inference: bfloat16 on CUDA, float32 on CPUs. On a CPU, 16-bit verification does not always
+round like one-token decoding even with `batch_invariant_attention` (PyTorch's bf16 matmuls
+change kernel with the row count past ~33 rows and, in attention, at long contexts), so a
+near-tie can flip a token; float32 keeps such flips about a million times rarer, and plain
+decoding of small models is fastest in float32 anyway (3.3 vs 5.5 ms per token for the
+embedded target on an AVX512-BF16/AMX CPU). Training: bf16 autocast where bf16 is native
+(AVX512-BF16, AMX, CUDA), which is 10x faster there; on an AVX2-only CPU bf16 is emulated
+and 25x slower, so float32.
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ def has_native_bf16(device: str | torch.device) -> bool:
 
 
 def default_dtype(device: str | torch.device = "cpu") -> torch.dtype:
-    """bfloat16 where it is native and fast, float32 everywhere else."""
-    return torch.bfloat16 if has_native_bf16(device) else torch.float32
+    """Inference dtype: bfloat16 on a CUDA device that supports it, float32 everywhere else."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" and has_native_bf16(device) else torch.float32
 
 
 def resolve_dtype(name: str | None, device: str | torch.device = "cpu") -> torch.dtype:
