@@ -120,6 +120,10 @@ def test_sharded_checkpoint_loads(target_dir, tmp_path):
      "tau"),
     (lambda d: ["--target", str(d / "target"), "--policy", "fixed", "--prompt-ids", "3"], "needs --drafter"),
     (lambda d: ["--target", str(d / "target"), "--prompt", "hello"], "no tokenizer.json"),
+    (lambda d: ["--target", str(d / "target"), "--prompt-ids", "3", "--device", "gpu"], "unknown device"),
+    (lambda d: ["--target", str(d / "target"), "--prompt-ids", "3", "--device", "xpu"], "not supported"),
+    pytest.param(lambda d: ["--target", str(d / "target"), "--prompt-ids", "3", "--device", "cuda"],
+                 "no usable CUDA GPU", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),
 ])
 def test_cli_prints_one_readable_line_and_exits_nonzero(target_dir, capsys, args_fn, message):
     code = main(["generate", "--max-new-tokens", "5", *args_fn(target_dir.parent)])  # later flags win

@@ -1,11 +1,11 @@
 """failfast: lossless speculative decoding with a block-diffusion drafter and dynamic draft length."""
 
-from failfast.drafters import ARDrafter, BlockDiffusionDrafter, Drafter
+from failfast.drafters import ARDrafter, BlockDiffusionDrafter, Drafter, make_drafter
 from failfast.engine import GenerationResult, SpeculativeEngine
 from failfast.errors import (CheckpointError, FailfastError, GenerationInputError,
                              IncompatibleModelsError, PolicyError)
 from failfast.model import LoadedModel, load_model
-from failfast.pipeline import Pipeline, make_drafter
+from failfast.pipeline import Pipeline
 from failfast.costs import CostProfile, measure_costs
 from failfast.policies import CostAware, FailFast, Fixed, Policy
 from failfast.stats import GenerationStats, RoundStats

@@ -8,46 +8,15 @@ from typing import Sequence
 
 import torch
 
-from failfast.drafters import ARDrafter, BlockDiffusionDrafter, Drafter
 from failfast.drafters.block_diffusion import DEFAULT_UNMASK_THRESHOLD
+from failfast.drafters.factory import make_drafter
 from failfast.embedded import resolve_model
 from failfast.engine import GenerationResult, SpeculativeEngine
-from failfast.errors import GenerationInputError, IncompatibleModelsError
+from failfast.errors import GenerationInputError
 from failfast.model import LoadedModel, load_model
 from failfast.model.precision import default_dtype
 from failfast.policies import Policy
 from failfast.verify import SamplingParams
-
-
-def check_vocabularies(target: LoadedModel, drafter: LoadedModel) -> None:
-    """Drafter and target must agree on every token of the target's tokenizer.
-
-    Embedding sizes may differ (checkpoints pad them), and a drafter may add tokens such
-    as its mask token; without tokenizers, the embedding sizes must match.
-    """
-    if target.tokenizer is not None and drafter.tokenizer is not None:
-        t_vocab = target.tokenizer.inner.get_vocab(with_added_tokens=True)
-        d_vocab = drafter.tokenizer.inner.get_vocab(with_added_tokens=True)
-        differing = [tok for tok, i in t_vocab.items() if d_vocab.get(tok) != i]
-        if differing:
-            raise IncompatibleModelsError(
-                f"drafter {drafter.path} and target {target.path} have different vocabularies "
-                f"({len(differing)} of the target's {len(t_vocab)} tokens differ, e.g. {differing[0]!r})")
-    elif target.config.vocab_size != drafter.config.vocab_size:
-        raise IncompatibleModelsError(
-            f"drafter vocabulary size {drafter.config.vocab_size} differs from the target's "
-            f"{target.config.vocab_size}")
-
-
-def make_drafter(target: LoadedModel, drafter: LoadedModel, unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD,
-                 denoise: str = "sub-block", sub_block_size: int | None = None) -> Drafter:
-    """A block-diffusion drafter if the checkpoint is one, else an autoregressive drafter
-    (`unmask_threshold`, `denoise` and `sub_block_size` only apply to block diffusion)."""
-    check_vocabularies(target, drafter)
-    limit = min(target.config.vocab_size, drafter.config.vocab_size)
-    if drafter.config.is_block_diffusion or drafter.config.mask_token_id is not None:
-        return BlockDiffusionDrafter(drafter, limit, unmask_threshold, denoise, sub_block_size)
-    return ARDrafter(drafter, limit)
 
 
 @dataclass

@@ -13,12 +13,11 @@ from typing import Callable
 import torch
 
 from failfast.costs import measure_costs
-from failfast.drafters import ARDrafter, BlockDiffusionDrafter, Drafter
+from failfast.drafters import Drafter, make_drafter
 from failfast.drafters.block_diffusion import DEFAULT_UNMASK_THRESHOLD
 from failfast.drafters.oracle import OracleDrafter
 from failfast.engine import SpeculativeEngine
 from failfast.model import LoadedModel, load_model
-from failfast.pipeline import check_vocabularies
 from failfast.policies import CostAware, FailFast, Fixed, Policy
 from failfast.stats import GenerationStats
 
@@ -95,7 +94,6 @@ class MethodFactory:
         key = (which, dtype or self.dtype)
         if key not in self._loaded:
             self._loaded[key] = load_model(self.paths[which], dtype=key[1])
-            check_vocabularies(self.target, self._loaded[key])
         return self._loaded[key]
 
     def _hf_model(self, which: str) -> torch.nn.Module:
@@ -122,17 +120,14 @@ class MethodFactory:
         return run
 
     def runner(self, spec: MethodSpec) -> Runner:
-        limit = self.target.config.vocab_size
         if spec.kind == "hf":
             return self._hf_runner(None, None)
         if spec.kind == "hf-assisted":
             return self._hf_runner(self._hf_model("ar"), spec.schedule)
         drafter: Drafter | None = None
-        if spec.kind == "ar-drafter":
-            drafter = ARDrafter(self._drafter_model("ar", spec.drafter_dtype), limit)
-        elif spec.kind == "dllm-drafter":
-            drafter = BlockDiffusionDrafter(self._drafter_model("dllm", spec.drafter_dtype), limit, spec.unmask_threshold,
-                                            spec.denoise, spec.sub_block_size)
+        if spec.kind in ("ar-drafter", "dllm-drafter"):  # what make_drafter builds for users, from that checkpoint
+            drafter = make_drafter(self.target, self._drafter_model(spec.kind.removesuffix("-drafter"), spec.drafter_dtype),
+                                   spec.unmask_threshold, spec.denoise, spec.sub_block_size)
         elif spec.kind == "oracle":
             def run_oracle(prompt: list[int], max_new: int, reference: list[int]) -> MethodOutput:
                 oracle = SpeculativeEngine(self.target, OracleDrafter(len(prompt), reference), spec.policy)

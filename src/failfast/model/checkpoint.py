@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from failfast.errors import CheckpointError
 from failfast.model.config import ModelConfig
+from failfast.model.device import check_device
 from failfast.model.tokenizer import Tokenizer
 from failfast.model.transformer import Rotary, Transformer
 
@@ -77,6 +78,7 @@ def _read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> LoadedModel:
     """Load config.json, safetensors weights and (if present) tokenizer.json from a folder."""
+    device = check_device(device, dtype)
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"model folder {folder} does not exist")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from failfast.errors import GenerationInputError
+from failfast.model.device import check_device
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64,
                                   "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -38,7 +39,8 @@ def has_native_bf16(device: str | torch.device) -> bool:
 
 def default_dtype(device: str | torch.device = "cpu") -> torch.dtype:
     """Inference dtype: bfloat16 on a CUDA device that supports it, float32 everywhere else."""
-    return torch.bfloat16 if torch.device(device).type == "cuda" and has_native_bf16(device) else torch.float32
+    dev = check_device(device)
+    return torch.bfloat16 if dev.type == "cuda" and has_native_bf16(dev) else torch.float32
 
 
 def resolve_dtype(name: str | None, device: str | torch.device = "cpu") -> torch.dtype:
