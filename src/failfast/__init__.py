@@ -7,13 +7,13 @@ from failfast.errors import (CheckpointError, FailfastError, GenerationInputErro
 from failfast.model import LoadedModel, load_model
 from failfast.pipeline import Pipeline
 from failfast.costs import CostProfile, measure_costs
-from failfast.policies import CostAware, FailFast, Fixed, Policy
+from failfast.policies import CostAware, FailFast, Fixed, Policy, PolicyFactory, cost_aware
 from failfast.stats import GenerationStats, RoundStats
 from failfast.verify import SamplingParams
 
 __all__ = [
     "ARDrafter", "BlockDiffusionDrafter", "CheckpointError", "CostAware", "CostProfile", "Drafter", "FailFast",
     "FailfastError", "Fixed", "GenerationInputError", "GenerationResult", "GenerationStats",
-    "IncompatibleModelsError", "LoadedModel", "Pipeline", "Policy", "PolicyError", "RoundStats",
-    "SamplingParams", "SpeculativeEngine", "load_model", "make_drafter", "measure_costs",
+    "IncompatibleModelsError", "LoadedModel", "Pipeline", "Policy", "PolicyError", "PolicyFactory", "RoundStats",
+    "SamplingParams", "SpeculativeEngine", "cost_aware", "load_model", "make_drafter", "measure_costs",
 ]

@@ -1,4 +1,4 @@
-"""The `failfast` command: generate, demo, bench, train."""
+"""The `failfast` command: generate, batch, demo, bench, train."""
 
 from __future__ import annotations
 
@@ -14,10 +14,13 @@ from failfast.embedded import DEFAULT_DRAFTER, DEFAULT_TARGET
 from failfast.errors import FailfastError, GenerationInputError
 from failfast.model.precision import DTYPES, resolve_dtype
 from failfast.pipeline import Pipeline
-from failfast.costs import measure_costs
-from failfast.policies import CostAware, FailFast, Fixed, Policy
+from failfast.policies import FailFast, Fixed, Policy, PolicyFactory, cost_aware
 from failfast.verify import SamplingParams
 
+
+
+# Rows per forward for `failfast batch` (README, "Batch jobs": measured on the embedded models).
+BATCH_SIZE_DEFAULT = 8
 
 
 def _apply_model_defaults(args: argparse.Namespace) -> None:
@@ -29,7 +32,7 @@ def _apply_model_defaults(args: argparse.Namespace) -> None:
             args.drafter = DEFAULT_DRAFTER
 
 
-def _policy(args: argparse.Namespace) -> Policy | None:
+def _policy(args: argparse.Namespace) -> Policy | PolicyFactory | None:
     policy = args.policy or ("failfast" if args.drafter else "ar")
     if policy == "ar":
         return None
@@ -37,7 +40,8 @@ def _policy(args: argparse.Namespace) -> Policy | None:
         raise GenerationInputError(f"--policy {policy} needs --drafter")
     if policy == "fixed":
         return Fixed(args.k)
-    # cost-aware starts from FailFast's settings; its costs are measured once the models load
+    if policy == "cost-aware":  # costs measured on the loaded models, after the first prompt
+        return cost_aware(chunk=args.chunk, max_draft=args.max_draft)
     return FailFast(tau=args.tau, chunk=args.chunk, max_draft=args.max_draft)
 
 
@@ -48,20 +52,24 @@ def _prompt_ids(text: str) -> list[int]:
         raise GenerationInputError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def _load_pipeline(args: argparse.Namespace) -> Pipeline:
+    """The pipeline the generation flags describe (shared by generate and batch)."""
     _apply_model_defaults(args)
     policy = _policy(args)
-    pipe = Pipeline.load(args.target, args.drafter if policy else None, policy,
+    return Pipeline.load(args.target, args.drafter if policy else None, policy,
                          unmask_threshold=args.unmask_threshold, denoise=args.denoise, sub_block_size=args.sub_block,
                          dtype=resolve_dtype(args.dtype, args.device),
                          drafter_dtype=DTYPES[args.drafter_dtype] if args.drafter_dtype else None, device=args.device)
+
+
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    pipe = _load_pipeline(args)
     prompt = args.prompt if args.prompt is not None else _prompt_ids(args.prompt_ids)
-    if args.policy == "cost-aware":
-        ids = pipe.encode(prompt) if isinstance(prompt, str) else prompt
-        costs = measure_costs(pipe.target, pipe.engine.drafter, ids)
-        pipe.engine.policy = CostAware(costs, chunk=args.chunk, max_draft=args.max_draft)
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    result = pipe.generate(prompt, args.max_new_tokens, sampling, args.stop)
+    result = pipe.generate(prompt, args.max_new_tokens, _sampling(args), args.stop)
     text = result.text
     if args.json:
         print(json.dumps({"token_ids": result.token_ids, "text": text, "stop_reason": result.stop_reason,
@@ -74,6 +82,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
           f"({100 * s.acceptance_rate:.0f}%); drafter passes {s.drafter_forwards}; stop: {result.stop_reason}]",
           file=sys.stderr)
     return 0
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    """Exit status 1 when any input row failed (listed in the errors file), after all others ran."""
+    from failfast.batch_job import RowDefaults, print_summary, run_batch
+
+    pipe = _load_pipeline(args)
+    defaults = RowDefaults(args.max_new_tokens, _sampling(args), tuple(args.stop))
+    summary = run_batch(pipe, Path(args.input), Path(args.output), defaults, args.batch_size)
+    print_summary(summary, Path(args.output))
+    return 1 if summary.failed else 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -190,11 +209,8 @@ def _self_distill(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="failfast", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
-
-    g = sub.add_parser("generate", help="complete a prompt, exactly as the target would")
+def _add_generation_flags(g: argparse.ArgumentParser) -> None:
+    """Models, policy, drafting, sampling and precision flags of generate and batch."""
     g.add_argument("--target", help=f"target model folder or embedded name (default: {DEFAULT_TARGET})")
     g.add_argument("--drafter", help="drafter folder or embedded name, AR or block diffusion "
                                      f"(default with the embedded target: {DEFAULT_DRAFTER})")
@@ -211,9 +227,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--denoise", choices=list(DENOISE_MODES), default="sub-block",
                    help="block-diffusion pass: sub-block (block cache, cheaper) or full-block (exact)")
     g.add_argument("--sub-block", type=int, help="block-diffusion sub-block size (default: the drafter's config)")
-    src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text (needs the target's tokenizer.json)")
-    src.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     g.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
@@ -225,8 +238,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drafter-dtype", choices=sorted(DTYPES),
                    help="the drafter's dtype (default: --dtype's); drafts only, so never changes the output")
     g.add_argument("--device", default="cpu")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="failfast", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete a prompt, exactly as the target would")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (needs the target's tokenizer.json)")
+    src.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
+    _add_generation_flags(g)
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=cmd_generate)
+
+    bt = sub.add_parser("batch", help="complete every prompt of a JSONL file; rerun to resume")
+    bt.add_argument("--input", required=True, help='JSONL, one object per line: "prompt" (text) or "prompt_ids", '
+                    'optional "id" (default: line number), "max_new_tokens", "temperature", "top_k", "top_p", '
+                    '"seed", "stop"')
+    bt.add_argument("--output", required=True, help="results JSONL (appended to; ids already there are skipped); "
+                    "bad rows go to <output>.errors.jsonl")
+    bt.add_argument("--batch-size", type=int, default=BATCH_SIZE_DEFAULT,
+                    help="rows decoded together, one target forward per round for all of them")
+    _add_generation_flags(bt)
+    bt.set_defaults(func=cmd_batch)
 
     d = sub.add_parser("demo", help="embedded models: complete a prompt, print FailFast's speedup over plain AR")
     d.add_argument("--prompt", default="def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")

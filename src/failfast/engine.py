@@ -1,24 +1,28 @@
-"""The draft -> verify -> commit loop (DESIGN.md sections 5-7).
+"""The draft -> verify -> commit loop, for one sequence or many (docs/design.md, "Engine").
 
-Invariant between rounds: the target cache holds every committed token except the last
-one, which is fed first in the next verification forward.
+Invariant between rounds: a sequence's target cache row holds every committed token except
+the last one, which is fed first in its next verification forward. One request is a batch
+of one on the same path; a batch verifies every active row in one ragged forward.
 """
 
 from __future__ import annotations
 
+import copy
 import time
-from dataclasses import dataclass
-from typing import Sequence
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
 
 import torch
 
 from failfast.drafters import Drafter
 from failfast.errors import GenerationInputError
 from failfast.model import LoadedModel
-from failfast.policies import Policy
+from failfast.model.kv_cache import KVCache
+from failfast.policies import Policy, PolicyFactory, is_policy_factory
 from failfast.stats import GenerationStats, RoundStats
 from failfast.stopping import StopStrings
-from failfast.verify import Sampler, SamplingParams, verify_draft
+from failfast.verify import Sampler, SamplingParams, accept_choices, verify_draft
 
 
 @dataclass
@@ -29,21 +33,85 @@ class GenerationResult:
     text: str | None = None  # decoded output (cut exactly before a stop string); None without a tokenizer
 
 
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams | None = None
+    stop: Sequence[str] = ()
+
+
+@dataclass
+class _Sequence:
+    """One request in flight: its tokens, sampler, stop rules, drafter, cache row and stats."""
+
+    index: int
+    request: GenerationRequest
+    drafter: Drafter | None
+    cache: KVCache
+    sampler: Sampler
+    stops: StopStrings | None
+    eos: frozenset[int]
+    committed: list[int]
+    generated: list[int] = field(default_factory=list)
+    stop_reason: str = "length"
+    stop_text: str | None = None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def finished(self) -> bool:
+        return self.stop_reason != "length" or len(self.generated) >= self.request.max_new_tokens
+
+    @property
+    def budget(self) -> int:
+        """Draft tokens this round may propose (one more comes from the target)."""
+        return self.request.max_new_tokens - len(self.generated) - 1
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        """Append accepted tokens and the target's token, stopping at EOS, the length limit
+        or a stop string."""
+        for tok in tokens:
+            self.generated.append(tok)
+            self.committed.append(tok)
+            if tok in self.eos:
+                self.stop_reason = "eos"
+                break
+            if len(self.generated) == self.request.max_new_tokens:
+                break
+        if self.stops is not None and (hit := self.stops.find(self.generated)) is not None:
+            keep, self.stop_text = hit
+            del self.generated[keep:]
+            self.stop_reason = "stop"
+
+    def result(self, tokenizer) -> GenerationResult:
+        self.stats.tokens = len(self.generated)
+        self.stats.wall_s = time.perf_counter() - self.started
+        text = self.stop_text if self.stop_text is not None else tokenizer.decode(self.generated) if tokenizer else None
+        return GenerationResult(self.generated, self.stop_reason, self.stats, text)
+
+
 class SpeculativeEngine:
     """Generates exactly the target's tokens; a drafter and policy only change the speed.
 
-    With no drafter this is plain autoregressive decoding in the same runtime.
+    With no drafter this is plain autoregressive decoding in the same runtime. `policy` may be
+    a `PolicyFactory` (e.g. `policies.cost_aware()`), built once, on the first request.
+    Batches: `generate_many` runs up to `batch_size` sequences per target forward, each with
+    its own copy of the drafter (the drafter's `prepare` resets all per-sequence state).
     """
 
     def __init__(self, target: LoadedModel, drafter: Drafter | None = None,
-                 policy: Policy | None = None) -> None:
+                 policy: Policy | PolicyFactory | None = None) -> None:
         if (drafter is None) != (policy is None):
             raise GenerationInputError("a drafter needs a policy and a policy needs a drafter")
         self.target = target
         self.drafter = drafter
-        self.policy = policy
+        self._policy_factory = policy if policy is not None and is_policy_factory(policy) else None
+        self.policy: Policy | None = None if self._policy_factory else policy  # type: ignore[assignment]
 
-    def _check_request(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+    def check_request(self, request: GenerationRequest) -> None:
+        """Raise GenerationInputError if this request cannot run on this target."""
+        prompt_ids, max_new_tokens = request.prompt_ids, request.max_new_tokens
         if not prompt_ids:
             raise GenerationInputError("the prompt is empty")
         if max_new_tokens < 1:
@@ -56,79 +124,119 @@ class SpeculativeEngine:
             raise GenerationInputError(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
                 f"the target's context of {limit} tokens")
+        if request.stop and self.target.tokenizer is None:
+            raise GenerationInputError("stop strings need the target's tokenizer.json")
+        StopStrings(request.stop, str)  # validates the strings themselves
 
-    def _draft(self, committed: list[int], budget: int) -> tuple[list[int], list[float]]:
+    def _draft(self, seq: _Sequence) -> tuple[list[int], list[float]]:
         tokens: list[int] = []
         confs: list[float] = []
-        if self.drafter is None or budget <= 0:
+        budget = seq.budget
+        if seq.drafter is None or budget <= 0:
             return tokens, confs
-        self.drafter.begin(committed)
+        seq.drafter.begin(seq.committed)
         while (want := min(self.policy.request(confs), budget - len(tokens))) > 0:
-            new, new_confs = self.drafter.draft(want)
+            new, new_confs = seq.drafter.draft(want)
             if not new:  # the drafter has nothing more to propose
                 break
             tokens += new
             confs += new_confs
         return tokens, confs
 
-    def _stop_strings(self, stop: Sequence[str]) -> StopStrings | None:
-        if not stop:
-            return None
-        if self.target.tokenizer is None:
-            raise GenerationInputError("stop strings need the target's tokenizer.json")
-        return StopStrings(stop, self.target.tokenizer.decode)
-
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
                  stop: Sequence[str] = ()) -> GenerationResult:
         """Exactly the target's continuation of `prompt_ids` (greedy, or sampled with a seed)."""
-        self._check_request(prompt_ids, max_new_tokens)
-        stops = self._stop_strings(stop)
-        sampler = Sampler(sampling)
-        eos = set(self.target.config.eos_token_ids)
-        model = self.target.model
-        stats = GenerationStats()
-        t_start = time.perf_counter()
-        total_len = len(prompt_ids) + max_new_tokens
-        cache = model.new_cache(total_len)
-        if self.drafter is not None:
-            self.drafter.prepare(total_len)
-        committed = list(prompt_ids)
-        if len(committed) > 1:
-            model(torch.tensor([committed[:-1]], device=model.device), 0, cache, logits_at=slice(0, 0))
-            stats.target_forwards += 1
-        generated: list[int] = []
-        stop_reason = "length"
-        stop_text = None
-        while len(generated) < max_new_tokens and stop_reason == "length":
-            t0 = time.perf_counter()
-            forwards_before = self.drafter.forwards if self.drafter else 0
-            draft, confs = self._draft(committed, max_new_tokens - len(generated) - 1)
-            t1 = time.perf_counter()
-            n = len(committed)
-            logits = model(torch.tensor([[committed[-1], *draft]], device=model.device), n - 1, cache)
-            accepted, next_token = verify_draft(logits[0], draft, sampler, n)
-            cache.rollback(n + accepted)
-            stats.target_forwards += 1
-            t2 = time.perf_counter()
-            stats.draft_s += t1 - t0
-            stats.verify_s += t2 - t1
-            stats.record(RoundStats(len(draft), accepted,
-                                    (self.drafter.forwards if self.drafter else 0) - forwards_before, confs))
-            for tok in (*draft[:accepted], next_token):
-                generated.append(tok)
-                committed.append(tok)
-                if tok in eos:
-                    stop_reason = "eos"
-                    break
-                if len(generated) == max_new_tokens:
-                    break
-            if stops is not None and (hit := stops.find(generated)) is not None:
-                keep, stop_text = hit
-                del generated[keep:]
-                stop_reason = "stop"
-        stats.tokens = len(generated)
-        stats.wall_s = time.perf_counter() - t_start
+        [(_, result)] = self.generate_many([GenerationRequest(list(prompt_ids), max_new_tokens, sampling, stop)])
+        return result
+
+    @torch.inference_mode()
+    def generate_many(self, requests: Sequence[GenerationRequest],
+                      batch_size: int | None = None) -> Iterator[tuple[int, GenerationResult]]:
+        """(request index, result) as each finishes: up to `batch_size` (default: all) rows
+        decode together; a finished row's slot takes the next waiting request between rounds.
+        Every result equals that request's single-sequence result."""
+        for request in requests:
+            self.check_request(request)
+        if not requests:
+            return
+        if self._policy_factory is not None and self.drafter is not None:
+            self.policy, self._policy_factory = self._policy_factory(self.target, self.drafter,
+                                                                     requests[0].prompt_ids), None
+        slots = max(1, min(batch_size or len(requests), len(requests)))
+        longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
+        # a batched round pads short drafts up to the longest; pad positions need room too
+        capacity = longest + (max(r.max_new_tokens for r in requests) if slots > 1 else 0)
+        cache = self.target.model.new_cache(capacity, batch=slots)
+        drafters = [self.drafter] + [copy.copy(self.drafter) for _ in range(slots - 1)]
+        waiting = deque(enumerate(requests))
+        active: dict[int, _Sequence] = {}
+        while waiting or active:
+            for slot in range(slots):
+                if slot not in active and waiting:
+                    active[slot] = self._start(*waiting.popleft(), drafters[slot], cache.row(slot))
+            self._round(active, cache, slots)
+            for slot in [s for s, seq in active.items() if seq.finished]:
+                seq = active.pop(slot)
+                yield seq.index, seq.result(self.target.tokenizer)
+
+    def _start(self, index: int, request: GenerationRequest, drafter: Drafter | None,
+               cache: KVCache) -> _Sequence:
+        """Prefill a joining request's cache row (all prompt tokens but the last)."""
         tokenizer = self.target.tokenizer
-        text = stop_text if stop_text is not None else tokenizer.decode(generated) if tokenizer else None
-        return GenerationResult(generated, stop_reason, stats, text)
+        seq = _Sequence(index, request, drafter, cache, Sampler(request.sampling),
+                        StopStrings(request.stop, tokenizer.decode) if request.stop else None,
+                        frozenset(self.target.config.eos_token_ids), list(request.prompt_ids))
+        if drafter is not None:
+            drafter.prepare(len(request.prompt_ids) + request.max_new_tokens)
+        model = self.target.model
+        if len(seq.committed) > 1:
+            model(torch.tensor([seq.committed[:-1]], device=model.device), 0, cache, logits_at=slice(0, 0))
+            seq.stats.target_forwards += 1
+        return seq
+
+    def _round(self, active: dict[int, _Sequence], cache: KVCache, slots: int) -> None:
+        """Draft for every active row, verify them in one forward, commit each row's tokens."""
+        model = self.target.model
+        drafts: dict[int, tuple[list[int], list[float], int, float]] = {}
+        for slot, seq in active.items():
+            t0 = time.perf_counter()
+            passes_before = seq.drafter.forwards if seq.drafter else 0
+            draft, confs = self._draft(seq)
+            passes = (seq.drafter.forwards if seq.drafter else 0) - passes_before
+            drafts[slot] = (draft, confs, passes, time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        if len(active) == 1:  # alone: the single-sequence forward over its own cache row
+            [(slot, seq)] = active.items()
+            n = len(seq.committed)
+            logits = model(torch.tensor([[seq.committed[-1], *drafts[slot][0]]], device=model.device), n - 1, seq.cache)
+            rows = {slot: logits[0]}
+        else:  # every slot in one ragged forward; idle slots compute a throwaway token at position 0
+            width = 1 + max(len(d[0]) for d in drafts.values())
+            tokens = [[0] * width for _ in range(slots)]
+            starts = [0] * slots
+            for slot, seq in active.items():
+                row = [seq.committed[-1], *drafts[slot][0]]
+                tokens[slot][:len(row)] = row
+                starts[slot] = len(seq.committed) - 1
+            logits = model.forward_rows(torch.tensor(tokens, device=model.device), starts, cache)
+            rows = {slot: logits[slot] for slot in active}
+        greedy = {slot for slot, seq in active.items() if seq.sampler.params.greedy}
+        choices = {}
+        if greedy:  # one host read for every greedy row
+            picked = torch.stack([rows[s].argmax(-1) for s in sorted(greedy)]).tolist()
+            choices = dict(zip(sorted(greedy), picked))
+        verify_s = time.perf_counter() - t1
+        for slot, seq in active.items():
+            draft, confs, passes, draft_s = drafts[slot]
+            n = len(seq.committed)
+            if slot in choices:
+                accepted, next_token = accept_choices(choices[slot], draft)
+            else:
+                accepted, next_token = verify_draft(rows[slot][:len(draft) + 1], draft, seq.sampler, n)
+            seq.cache.length = n + accepted
+            seq.stats.target_forwards += 1
+            seq.stats.draft_s += draft_s
+            seq.stats.verify_s += verify_s
+            seq.stats.record(RoundStats(len(draft), accepted, passes, confs))
+            seq.commit((*draft[:accepted], next_token))

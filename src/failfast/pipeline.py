@@ -15,7 +15,7 @@ from failfast.engine import GenerationResult, SpeculativeEngine
 from failfast.errors import GenerationInputError
 from failfast.model import LoadedModel, load_model
 from failfast.model.precision import default_dtype
-from failfast.policies import Policy
+from failfast.policies import Policy, PolicyFactory
 from failfast.verify import SamplingParams
 
 
@@ -31,7 +31,7 @@ class Pipeline:
     engine: SpeculativeEngine
 
     @classmethod
-    def load(cls, target: str | Path, drafter: str | Path | None = None, policy: Policy | None = None, *,
+    def load(cls, target: str | Path, drafter: str | Path | None = None, policy: Policy | PolicyFactory | None = None, *,
              unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD, denoise: str = "sub-block", sub_block_size: int | None = None,
              dtype: torch.dtype | None = None, drafter_dtype: torch.dtype | None = None,
              device: str = "cpu") -> "Pipeline":
@@ -41,7 +41,7 @@ class Pipeline:
         if drafter is None:
             return cls(tgt, SpeculativeEngine(tgt))
         if policy is None:
-            raise GenerationInputError("a drafter needs a policy (Fixed or FailFast)")
+            raise GenerationInputError("a drafter needs a policy (Fixed, FailFast or policies.cost_aware())")
         drafter_model = load_model(resolve_model(drafter), dtype=drafter_dtype or dtype, device=device)
         drf = make_drafter(tgt, drafter_model, unmask_threshold, denoise, sub_block_size)
         return cls(tgt, SpeculativeEngine(tgt, drf, policy))

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
-from failfast.costs import CostProfile
+from failfast.costs import CostProfile, measure_costs
 from failfast.errors import PolicyError
+
+if TYPE_CHECKING:
+    from failfast.drafters import Drafter
+    from failfast.model import LoadedModel
 
 
 class Policy(Protocol):
@@ -15,6 +19,15 @@ class Policy(Protocol):
 
     def request(self, confidences: list[float]) -> int:
         """How many more tokens to draft given this round's confidences so far; 0 stops."""
+
+
+# Builds a policy from the loaded target and drafter and the first request's prompt ids (the
+# engine calls it once, before that request): for policies that measure this machine.
+PolicyFactory = Callable[["LoadedModel", "Drafter", list[int]], Policy]
+
+
+def is_policy_factory(policy: "Policy | PolicyFactory") -> bool:
+    return not hasattr(policy, "request")
 
 
 @dataclass(frozen=True)
@@ -105,3 +118,10 @@ class CostAware:
         q = math.prod(recent) ** (1 / len(recent))
         gain = survive * sum(q ** i for i in range(1, more + 1))
         return more if self._rate(m + more, expected + gain) > self._rate(m, expected) else 0
+
+
+def cost_aware(chunk: int = 8, max_draft: int = 60) -> PolicyFactory:
+    """CostAware with costs measured on the loaded models after the first request's prompt."""
+    def build(target: "LoadedModel", drafter: "Drafter", prompt_ids: list[int]) -> Policy:
+        return CostAware(measure_costs(target, drafter, prompt_ids), chunk=chunk, max_draft=max_draft)
+    return build

@@ -75,6 +75,15 @@ class Sampler:
         return int((logp + gumbel_noise(self.params.seed, position, logp.shape[-1], logp.device)).argmax())
 
 
+def accept_choices(choices: list[int], draft: list[int]) -> tuple[int, int]:
+    """Greedy acceptance from the target's argmax at each of the k+1 positions: (a, y) as in
+    `verify_draft`."""
+    for a, d in enumerate(draft):
+        if d != choices[a]:
+            return a, choices[a]
+    return len(draft), choices[len(draft)]
+
+
 def verify_draft(logits: Tensor, draft: list[int], sampler: Sampler, first_position: int) -> tuple[int, int]:
     """Accept-while-equal over target logits [k+1, V] for draft d1..dk.
 
@@ -83,11 +92,7 @@ def verify_draft(logits: Tensor, draft: list[int], sampler: Sampler, first_posit
     Exact for any drafter: the target's choice is computed independently of the draft.
     """
     if sampler.params.greedy:
-        choices = logits.argmax(-1).tolist()
-        for a, d in enumerate(draft):
-            if d != choices[a]:
-                return a, choices[a]
-        return len(draft), choices[len(draft)]
+        return accept_choices(logits.argmax(-1).tolist(), draft)
     for a in range(len(draft) + 1):
         y = sampler.choose(logits[a], first_position + a)
         if a == len(draft) or draft[a] != y:

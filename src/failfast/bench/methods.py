@@ -12,13 +12,12 @@ from typing import Callable
 
 import torch
 
-from failfast.costs import measure_costs
 from failfast.drafters import Drafter, make_drafter
 from failfast.drafters.block_diffusion import DEFAULT_UNMASK_THRESHOLD
 from failfast.drafters.oracle import OracleDrafter
 from failfast.engine import SpeculativeEngine
 from failfast.model import LoadedModel, load_model
-from failfast.policies import CostAware, FailFast, Fixed, Policy
+from failfast.policies import FailFast, Fixed, Policy, PolicyFactory, cost_aware
 from failfast.stats import GenerationStats
 
 
@@ -35,12 +34,11 @@ Runner = Callable[[list[int], int, list[int]], MethodOutput]
 class MethodSpec:
     name: str
     kind: str                      # ar | hf | hf-assisted | ar-drafter | dllm-drafter | oracle
-    policy: Policy | None = None
+    policy: Policy | PolicyFactory | None = None
     unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD
     denoise: str = "sub-block"     # block-diffusion pass: sub-block (block cache) or full-block
     sub_block_size: int | None = None  # None: the drafter's config
     schedule: str | None = None    # transformers assisted generation schedule
-    cost_aware: bool = False       # policy = CostAware with costs measured on the first prompt
     drafter_dtype: torch.dtype | None = None  # None: the target's dtype
 
     @property
@@ -75,7 +73,7 @@ def default_methods() -> list[MethodSpec]:
         MethodSpec("failfast-s4", "dllm-drafter", ff, sub_block_size=4),
         MethodSpec("failfast-s16", "dllm-drafter", ff, sub_block_size=16),
         MethodSpec("failfast-drafter-fp32", "dllm-drafter", ff, drafter_dtype=torch.float32),
-        MethodSpec("failfast-cost", "dllm-drafter", cost_aware=True),
+        MethodSpec("failfast-cost", "dllm-drafter", cost_aware()),  # costs measured on the first prompt
         MethodSpec("oracle", "oracle", Fixed(60)),
     ]
 
@@ -136,13 +134,9 @@ class MethodFactory:
             return run_oracle
         elif spec.kind != "ar":
             raise ValueError(f"unknown method kind {spec.kind!r}")
-        engines: list[SpeculativeEngine] = []
+        engine = SpeculativeEngine(self.target, drafter, spec.policy)
 
         def run(prompt: list[int], max_new: int, reference: list[int]) -> MethodOutput:
-            if not engines:  # built on first use: a cost-aware policy measures costs on this prompt
-                policy = (CostAware(measure_costs(self.target, drafter, prompt))
-                          if spec.cost_aware and drafter is not None else spec.policy)
-                engines.append(SpeculativeEngine(self.target, drafter, policy))
-            result = engines[0].generate(prompt, max_new)
+            result = engine.generate(prompt, max_new)
             return MethodOutput(result.token_ids, result.stats)
         return run

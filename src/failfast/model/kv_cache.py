@@ -19,7 +19,25 @@ class KVCache:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.capacity = capacity
-        self.length = 0
+        self.length = 0  # of a one-row cache; a batch's rows keep theirs in `row(i)` views
+
+    def row(self, index: int) -> "KVCache":
+        """A one-row cache sharing row `index`'s storage, with its own length: a sequence of a
+        batch prefills and decodes alone through it, and joins batched forwards (`write_at`)."""
+        view = KVCache.__new__(KVCache)
+        view.keys = [k[index:index + 1] for k in self.keys]
+        view.values = [v[index:index + 1] for v in self.values]
+        view.capacity, view.length = self.capacity, 0
+        return view
+
+    def write_at(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 read_end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store K/V [B, H, T, D] of row b at positions[b] ([B, T], any per-row offsets) and
+        return every row's keys/values up to `read_end` (a batched forward masks per row)."""
+        rows = torch.arange(k.shape[0], device=k.device)[:, None].expand_as(positions)
+        self.keys[layer][rows, :, positions] = k.transpose(1, 2)
+        self.values[layer][rows, :, positions] = v.transpose(1, 2)
+        return self.keys[layer][:, :, :read_end], self.values[layer][:, :, :read_end]
 
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self.length:

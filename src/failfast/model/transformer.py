@@ -47,8 +47,11 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", 1.0 / (theta ** exponent), persistent=False)
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        """cos, sin for positions [T] ([T, D], shared by the batch) or [B, T] ([B, 1, T, D])."""
+        freqs = positions.float()[..., None] * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
+        if positions.dim() == 2:
+            emb = emb[:, None]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -68,7 +71,7 @@ def batch_invariant_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | No
     scores = (q.reshape(b, groups, per_group * t, d) @ k.transpose(-1, -2)).to(compute) * d ** -0.5
     scores = scores.view(b, groups, per_group, t, -1)
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill(~(mask[:, :, None] if mask.dim() == 4 else mask), float("-inf"))
     weights = scores.softmax(-1).to(v.dtype).view(b, groups, per_group * t, -1)
     return (weights @ v).view(b, heads, t, d)
 
@@ -92,14 +95,17 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None,
-                cache: KVCache | None, layer: int, start: int, context_end: int | None) -> Tensor:
+                cache: KVCache | None, layer: int, start: int | Tensor, context_end: int | None) -> Tensor:
+        """`start`: the first position of every row, or per-row positions [B, T] (`forward_rows`)."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if cache is not None:
+        if isinstance(start, Tensor):
+            k, v = cache.write_at(layer, start, k, v, context_end)
+        elif cache is not None:
             k, v = cache.write(layer, start, k, v, context_end)
         if cache is not None and q.dtype in HALF_DTYPES:
             out = batch_invariant_attention(q, k, v, mask)  # inference in 16 bits: lossless verification
@@ -128,7 +134,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None,
-                cache: KVCache | None, layer: int, start: int, context_end: int | None) -> Tensor:
+                cache: KVCache | None, layer: int, start: int | Tensor, context_end: int | None) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, layer, start, context_end)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -167,7 +173,7 @@ class Transformer(nn.Module):
                        self.dtype, self.device, batch)
 
     def _hidden(self, tokens: Tensor, positions: Tensor, mask: Tensor | None,
-                cache: KVCache | None, start: int, context_end: int | None = None) -> Tensor:
+                cache: KVCache | None, start: int | Tensor, context_end: int | None = None) -> Tensor:
         x = self.model.embed_tokens(tokens)
         rope = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
@@ -203,6 +209,23 @@ class Transformer(nn.Module):
         if commit:
             cache.length = start + t
         return logits
+
+    def forward_rows(self, tokens: Tensor, starts: list[int], cache: KVCache) -> Tensor:
+        """Causal logits [B, T, V] for row b's tokens at positions starts[b]..starts[b]+T-1,
+        each row attending to its own cache row (a batch's verification forward, ragged).
+
+        Row b's cache must hold its positions [0, starts[b]); K/V are written at the new
+        positions, lengths are the caller's (`KVCache.row` views). Rows shorter than T are
+        padded by the caller: their extra positions write K/V past the row's tokens that a
+        later forward overwrites before any query can see them.
+        """
+        b, t = tokens.shape
+        end = max(starts) + t
+        if end > cache.capacity:
+            raise ValueError(f"positions up to {end} exceed the cache capacity {cache.capacity}")
+        positions = torch.tensor(starts, device=tokens.device)[:, None] + torch.arange(t, device=tokens.device)
+        mask = (torch.arange(end, device=tokens.device) <= positions[:, :, None])[:, None]  # [B, 1, T, end]
+        return self.lm_head(self._hidden(tokens, positions, mask, cache, positions, end))
 
     def hidden_masked(self, tokens: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
         """Final hidden states of a cache-free forward with an explicit [T, T] attention mask.

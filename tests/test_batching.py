@@ -1,0 +1,69 @@
+"""Batched decoding: every row equals its single-sequence output (float64, CPU), whatever the
+drafter, policy, prompt lengths, finishing rounds, joining order and sampling seeds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from failfast import FailFast, Fixed, SamplingParams, SpeculativeEngine, load_model, make_drafter
+from failfast.engine import GenerationRequest
+from failfast.policies import CostAware
+from tests.helpers import copy_checkpoint, prompt_of, set_eos, write_word_tokenizer
+from tests.test_lossless import CPU_COSTS
+
+POLICIES = [Fixed(4), FailFast(tau=0.0, chunk=3, max_draft=20), CostAware(CPU_COSTS, chunk=4, max_draft=24)]
+LENGTHS = [1, 2, 7, 8, 9, 17, 30]          # the dLLM drafter's block size is 8
+MAX_NEW = [40, 5, 23, 1, 40, 12, 33]       # rows finish in different rounds
+
+
+def _requests() -> list[GenerationRequest]:
+    return [GenerationRequest(prompt_of(n, seed=i), m, SamplingParams(0.9, top_p=0.95, seed=i) if i % 2 else None)
+            for i, (n, m) in enumerate(zip(LENGTHS, MAX_NEW))]
+
+
+def _check_batches(engine: SpeculativeEngine, requests: list[GenerationRequest]) -> None:
+    single = [engine.generate(r.prompt_ids, r.max_new_tokens, r.sampling, r.stop) for r in requests]
+    for batch_size in (2, 3, len(requests)):  # 2 and 3: rows join as others finish
+        finished = list(engine.generate_many(requests, batch_size))
+        assert sorted(i for i, _ in finished) == list(range(len(requests)))
+        got = dict(finished)
+        for i, want in enumerate(single):
+            assert got[i].token_ids == want.token_ids, (batch_size, i)
+            assert got[i].stop_reason == want.stop_reason and got[i].text == want.text
+            assert got[i].stats.tokens == len(want.token_ids)
+
+
+@pytest.mark.parametrize("drafter_name", [None, "self", "random-ar", "random-dllm"])
+def test_random_drafters_in_batches(random_models, drafter_name):
+    target = load_model(random_models["target"], dtype=torch.float64)
+    requests = _requests()
+    if drafter_name is None:
+        _check_batches(SpeculativeEngine(target), requests)
+        return
+    drafter = load_model(random_models[drafter_name], dtype=torch.float64)
+    for policy in POLICIES:
+        _check_batches(SpeculativeEngine(target, make_drafter(target, drafter), policy), requests)
+
+
+def test_rows_finish_out_of_order_and_join_mid_run(random_models):
+    target = load_model(random_models["target"], dtype=torch.float64)
+    order = [i for i, _ in SpeculativeEngine(target).generate_many(_requests(), batch_size=3)]
+    assert order != sorted(order) and order[0] == 1  # the 5-token row finishes first, before row 0
+
+
+def test_trained_drafter_long_drafts_eos_and_stop_strings_in_batches(trained_pair, tmp_path):
+    target_dir, drafter_dir = trained_pair
+    folder = copy_checkpoint(target_dir, tmp_path / "target-eos")
+    set_eos(folder, 20)  # counting prompts reach it at different rounds
+    write_word_tokenizer(folder, 48)
+    target = load_model(folder, dtype=torch.float64)
+    drafter = load_model(drafter_dir, dtype=torch.float64)
+    requests = [GenerationRequest(list(range(3, 8)), 60), GenerationRequest(list(range(21, 30)), 60),
+                GenerationRequest(list(range(0, 6)), 60, stop=("<12>",)),
+                GenerationRequest([5], 10), GenerationRequest(list(range(22, 38)), 50, SamplingParams(1.0, seed=4))]
+    engine = SpeculativeEngine(target, make_drafter(target, drafter), FailFast(0.45, 10, 40))
+    _check_batches(engine, requests)
+    results = dict(engine.generate_many(requests))
+    assert {r.stop_reason for r in results.values()} == {"eos", "stop", "length"}
+    assert max(r.accepted for r in results[1].stats.trajectory) >= 8  # long drafts accepted inside a batch
