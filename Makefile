@@ -33,6 +33,12 @@ RUNS ?= runs
 TRAIN := $(VENV)/bin/failfast train
 COMMON := --data $(RUNS)/data --batch-size 16 --seq-len 256 --resume
 SD_TOKENS ?= 10000000
+# Drafters continued on self-distillation rows (AR: the run of 2026-12-03; diffusion: planned,
+# uniform masks, the A/B winner on 1.2M tokens of rows).
+AR_SD_FLAGS := --steps 2000 --lr 1e-3 --warmup 50
+DLLM_SD_FLAGS := --steps 2000 --lr 1e-3 --warmup 50 --block-size 32 --sub-block-size 8
+# A stage that spans sessions resumes from its committed 16-bit resume point when runs/ is gone.
+RESUME_POINT = $(if $(wildcard training/$(1)/state.json),--resume-from training/$(1))
 
 models: $(RUNS)/drafter-ar-sd/training.json $(RUNS)/drafter-dllm-sd/training.json
 
@@ -51,8 +57,13 @@ $(RUNS)/drafter-ar/training.json: $(RUNS)/drafter-ar-base/training.json $(RUNS)/
 $(RUNS)/drafter-dllm/training.json: $(RUNS)/drafter-ar/training.json
 	$(TRAIN) diffusion --init $(RUNS)/drafter-ar --teacher $(RUNS)/target --out $(RUNS)/drafter-dllm --steps 150 --lr 1e-3 --block-size 32 --sub-block-size 8 $(COMMON)
 
+# More block-diffusion training, still distilled from the first target (the drafter's job is
+# the target's distribution; 150 conversion steps left it far from converged).
+$(RUNS)/drafter-dllm-long/training.json: $(RUNS)/drafter-dllm/training.json
+	$(TRAIN) diffusion --init $(RUNS)/drafter-dllm --teacher $(RUNS)/target --out $(RUNS)/drafter-dllm-long --steps 300 --lr 1e-3 --warmup 30 --block-size 32 --sub-block-size 8 --save-every 25 $(COMMON)
+
 $(RUNS)/target-v2/training.json: $(RUNS)/target/training.json
-	$(TRAIN) ar --init $(RUNS)/target --out $(RUNS)/target-v2 --steps 2350 --lr 1e-3 --warmup 50 --save-every 50 $(COMMON)
+	$(TRAIN) ar --init $(RUNS)/target --out $(RUNS)/target-v2 --steps 2350 --lr 1e-3 --warmup 50 --save-every 50 $(call RESUME_POINT,target-v2) $(COMMON)
 
 # The manifest is written when generation starts; the stamp only when it completed.
 $(RUNS)/selfdistill/.complete: $(RUNS)/target-v2/training.json
@@ -62,8 +73,8 @@ $(RUNS)/selfdistill/.complete: $(RUNS)/target-v2/training.json
 $(RUNS)/drafter-ar-sd/training.json: $(RUNS)/drafter-ar/training.json $(RUNS)/selfdistill/.complete
 	$(TRAIN) ar --init $(RUNS)/drafter-ar --rows $(RUNS)/selfdistill --out $(RUNS)/drafter-ar-sd $(AR_SD_FLAGS) $(COMMON)
 
-$(RUNS)/drafter-dllm-sd/training.json: $(RUNS)/drafter-dllm/training.json $(RUNS)/selfdistill/.complete
-	$(TRAIN) diffusion --init $(RUNS)/drafter-dllm --rows $(RUNS)/selfdistill --out $(RUNS)/drafter-dllm-sd $(DLLM_SD_FLAGS) $(COMMON)
+$(RUNS)/drafter-dllm-sd/training.json: $(RUNS)/drafter-dllm-long/training.json $(RUNS)/selfdistill/.complete
+	$(TRAIN) diffusion --init $(RUNS)/drafter-dllm-long --rows $(RUNS)/selfdistill --out $(RUNS)/drafter-dllm-sd $(DLLM_SD_FLAGS) $(COMMON)
 
 # Copy the trained models into the package with model cards (after `make models`).
 ship-models: venv

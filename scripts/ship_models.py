@@ -1,7 +1,9 @@
 """Copy trained models from runs/ into the package with model cards (16-bit weights).
 
 A stage whose runs/ folder is gone (a fresh checkout that trained only a later stage) keeps
-its row from the shipped card, and a model whose last stage is gone keeps its shipped weights.
+its row from the shipped card; a stage neither on disk nor in the card has not been trained
+yet and is left out. A model's weights come from its latest recorded stage: from runs/ if
+that stage finished there, else the shipped weights.
 
     python scripts/ship_models.py [--runs runs] [--evaluation runs/evaluation.json]
 """
@@ -20,7 +22,7 @@ from failfast.model.checkpoint import save_model
 from failfast.embedded import CORPUS_MANIFEST, MODELS_DIR
 
 # Each shipped model: a description and the training stages that made it, in order
-# (name, runs/ folder); the last stage's folder holds the shipped weights.
+# (name, runs/ folder); the latest stage that was trained holds the shipped weights.
 STAGES = {
     "target": ("AR target", [("pre-training", "target"), ("continued training", "target-v2")]),
     "ar-drafter": ("AR drafter (classic speculative-decoding baseline), distilled from the target",
@@ -30,13 +32,18 @@ STAGES = {
                      "trained on the target's own continuations",
                      [("AR pre-training", "drafter-ar-base"), ("AR distillation from the first target", "drafter-ar"),
                       ("block-diffusion conversion, distilled from the first target", "drafter-dllm"),
+                      ("block-diffusion training, distilled from the first target", "drafter-dllm-long"),
                       ("block diffusion on the target's self-distilled continuations", "drafter-dllm-sd")]),
 }
 SHARD_BYTES = 16 * 2**20  # keep every shipped file small
 
 
-def stage_row(name: str, stage: str, run: Path) -> str:
-    if not (run / "training.json").is_file():
+def finished(run: Path) -> bool:
+    return (run / "training.json").is_file() and (run / "config.json").is_file()
+
+
+def stage_row(name: str, stage: str, run: Path) -> str | None:
+    if not finished(run):
         return shipped_row(name, stage)
     report = json.loads((run / "training.json").read_text())
     s = report["settings"]
@@ -50,20 +57,20 @@ def stage_row(name: str, stage: str, run: Path) -> str:
     )
 
 
-def shipped_row(name: str, stage: str) -> str:
-    """The stage's row in the model's shipped card: the record of a run no longer on disk."""
+def shipped_row(name: str, stage: str) -> str | None:
+    """The stage's row in the model's shipped card (the record of a run no longer on disk),
+    or None if the stage has never been trained."""
     shipped = MODELS_DIR / name / "README.md"
     lines = shipped.read_text().splitlines() if shipped.is_file() else []
-    for line in lines:
-        if line.startswith(f"| {stage} |"):
-            return line
-    raise SystemExit(f"stage '{stage}' of {name}: no training.json under runs/ and no row in {shipped}")
+    return next((line for line in lines if line.startswith(f"| {stage} |")), None)
 
 
 def weights_folder(name: str, stages: list[tuple[str, str]], runs: Path) -> Path:
-    """The last stage's run if it is on disk, else the shipped model."""
-    run = runs / stages[-1][1]
-    return run if (run / "config.json").is_file() else MODELS_DIR / name
+    """The latest recorded stage's run if it finished on disk, else the shipped model."""
+    recorded = [run for stage, run in stages if finished(runs / run) or shipped_row(name, stage) is not None]
+    if not recorded:
+        raise SystemExit(f"{name}: no stage trained (nothing under {runs}, no shipped card)")
+    return runs / recorded[-1] if finished(runs / recorded[-1]) else MODELS_DIR / name
 
 
 def card(name: str, title: str, stages: list[tuple[str, str]], runs: Path, manifest: dict,
@@ -90,7 +97,8 @@ def card(name: str, title: str, stages: list[tuple[str, str]], runs: Path, manif
                  f"files, {manifest['train_tokens']:,} tokens; {len(manifest['held_out_files'])} files "
                  f"({manifest['held_out_tokens']:,} tokens) held out by path hash |")
     for stage, run_name in stages:
-        lines.append(stage_row(name, stage, runs / run_name))
+        if (row := stage_row(name, stage, runs / run_name)) is not None:
+            lines.append(row)
     lines.append("| weights | float16 safetensors |")
     if any("distil" in stage for stage, _ in stages):
         lines += ["", "Losses of distilled stages are cross-entropies against the target's next-token "
@@ -99,7 +107,8 @@ def card(name: str, title: str, stages: list[tuple[str, str]], runs: Path, manif
     lines += [
         "",
         "Reproduce: `make models` (each stage is a Makefile target `runs/<stage folder>/training.json` "
-        f"with its exact flags; this model's stages: {', '.join(f'`runs/{r}`' for _, r in stages)}).",
+        f"with its exact flags; this model's stages: {', '.join(f'`runs/{r}`' for _, r in stages)}; "
+        "those without a row above are not trained yet).",
     ]
     if evaluation and name == "target":
         lines += ["", "## Held-out evaluation (`python scripts/evaluate_embedded.py`)", "",

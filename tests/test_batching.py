@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from failfast import FailFast, Fixed, SamplingParams, SpeculativeEngine, load_model, make_drafter
-from failfast.engine import GenerationRequest
-from failfast.policies import CostAware
+from failfast.decode.engine import GenerationRequest
+from failfast.decode.policies import CostAware
 from tests.helpers import copy_checkpoint, prompt_of, set_eos, write_word_tokenizer
 from tests.test_lossless import CPU_COSTS
 

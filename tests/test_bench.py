@@ -11,7 +11,7 @@ from failfast.bench.methods import MethodFactory, MethodOutput, MethodSpec, defa
 from failfast.bench.runner import LosslessError, run_bench
 from failfast.cli import main
 from failfast.errors import FailfastError
-from failfast.policies import Fixed
+from failfast.decode.policies import Fixed
 from tests.helpers import copy_checkpoint, write_word_tokenizer
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from failfast import PolicyError, load_model, make_drafter
-from failfast.costs import VERIFY_POINTS, CostProfile, measure_costs
-from failfast.policies import CostAware
+from failfast.decode.costs import VERIFY_POINTS, CostProfile, measure_costs
+from failfast.decode.policies import CostAware
 from tests.helpers import prompt_of
 
 FLAT = CostProfile(((1, 20.0), (64, 20.0)), draft_ms_per_token=0.5)       # verification is free (GPU-like)

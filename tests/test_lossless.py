@@ -9,8 +9,8 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from failfast import FailFast, Fixed, SpeculativeEngine, load_model, make_drafter
-from failfast.costs import CostProfile
-from failfast.policies import CostAware
+from failfast.decode.costs import CostProfile
+from failfast.decode.policies import CostAware
 from tests.helpers import copy_checkpoint, prompt_of, set_eos
 from tests.synthetic import BLOCK
 

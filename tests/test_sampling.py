@@ -8,7 +8,7 @@ import torch
 from failfast import (FailFast, Fixed, GenerationInputError, SamplingParams, SpeculativeEngine, load_model,
                       make_drafter)
 from failfast.cli import main
-from failfast.verify import Sampler, processed_logprobs
+from failfast.decode.sampling import Sampler, processed_logprobs
 from tests.helpers import copy_checkpoint, prompt_of, set_eos, write_word_tokenizer
 
 SETTINGS = [SamplingParams(0.7), SamplingParams(1.0), SamplingParams(1.0, top_k=10),

@@ -1,19 +1,19 @@
 """failfast: lossless speculative decoding with a block-diffusion drafter and dynamic draft length."""
 
 from failfast.drafters import ARDrafter, BlockDiffusionDrafter, Drafter, make_drafter
-from failfast.engine import GenerationResult, SpeculativeEngine
+from failfast.decode.engine import GenerationRequest, GenerationResult, SpeculativeEngine
 from failfast.errors import (CheckpointError, FailfastError, GenerationInputError,
                              IncompatibleModelsError, PolicyError)
 from failfast.model import LoadedModel, load_model
 from failfast.pipeline import Pipeline
-from failfast.costs import CostProfile, measure_costs
-from failfast.policies import CostAware, FailFast, Fixed, Policy, PolicyFactory, cost_aware
-from failfast.stats import GenerationStats, RoundStats
-from failfast.verify import SamplingParams
+from failfast.decode.costs import CostProfile, measure_costs
+from failfast.decode.policies import CostAware, FailFast, Fixed, Policy, PolicyFactory, cost_aware
+from failfast.decode.stats import GenerationStats, RoundStats
+from failfast.decode.sampling import SamplingParams
 
 __all__ = [
     "ARDrafter", "BlockDiffusionDrafter", "CheckpointError", "CostAware", "CostProfile", "Drafter", "FailFast",
-    "FailfastError", "Fixed", "GenerationInputError", "GenerationResult", "GenerationStats",
+    "FailfastError", "Fixed", "GenerationInputError", "GenerationRequest", "GenerationResult", "GenerationStats",
     "IncompatibleModelsError", "LoadedModel", "Pipeline", "Policy", "PolicyError", "PolicyFactory", "RoundStats",
     "SamplingParams", "SpeculativeEngine", "cost_aware", "load_model", "make_drafter", "measure_costs",
 ]

@@ -19,12 +19,12 @@ from typing import Any, Iterator
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from failfast.engine import GenerationRequest
+from failfast.decode.engine import GenerationRequest
 from failfast.errors import FailfastError, GenerationInputError
 from failfast.jsonl_results import JsonlResults
 from failfast.pipeline import Pipeline
 from failfast.progress import log_milestone
-from failfast.verify import SamplingParams
+from failfast.decode.sampling import SamplingParams
 
 # Per-row fields that override the job's generation flags.
 ROW_OVERRIDES = {"max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "seed": int}

@@ -14,8 +14,8 @@ from failfast.embedded import DEFAULT_DRAFTER, DEFAULT_TARGET
 from failfast.errors import FailfastError, GenerationInputError
 from failfast.model.precision import DTYPES, resolve_dtype
 from failfast.pipeline import Pipeline
-from failfast.policies import FailFast, Fixed, Policy, PolicyFactory, cost_aware
-from failfast.verify import SamplingParams
+from failfast.decode.policies import FailFast, Fixed, Policy, PolicyFactory, cost_aware
+from failfast.decode.sampling import SamplingParams
 
 
 
@@ -98,7 +98,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     """The embedded default end to end: FailFast vs plain AR on one prompt, both live."""
     from failfast.bench.timing import interleaved_runs, median
-    from failfast.engine import SpeculativeEngine
+    from failfast.decode.engine import SpeculativeEngine
 
     pipe = Pipeline.load(DEFAULT_TARGET, DEFAULT_DRAFTER, FailFast())
     prompt = pipe.encode(args.prompt)

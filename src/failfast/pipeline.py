@@ -11,12 +11,12 @@ import torch
 from failfast.drafters.block_diffusion import DEFAULT_UNMASK_THRESHOLD
 from failfast.drafters.factory import make_drafter
 from failfast.embedded import resolve_model
-from failfast.engine import GenerationResult, SpeculativeEngine
+from failfast.decode.engine import GenerationResult, SpeculativeEngine
 from failfast.errors import GenerationInputError
 from failfast.model import LoadedModel, load_model
 from failfast.model.precision import default_dtype
-from failfast.policies import Policy, PolicyFactory
-from failfast.verify import SamplingParams
+from failfast.decode.policies import Policy, PolicyFactory
+from failfast.decode.sampling import SamplingParams
 
 
 @dataclass

@@ -14,11 +14,11 @@ import torch
 
 from failfast.drafters import Drafter, make_drafter
 from failfast.drafters.block_diffusion import DEFAULT_UNMASK_THRESHOLD
-from failfast.drafters.oracle import OracleDrafter
-from failfast.engine import SpeculativeEngine
+from failfast.bench.oracle import OracleDrafter
+from failfast.decode.engine import SpeculativeEngine
 from failfast.model import LoadedModel, load_model
-from failfast.policies import FailFast, Fixed, Policy, PolicyFactory, cost_aware
-from failfast.stats import GenerationStats
+from failfast.decode.policies import FailFast, Fixed, Policy, PolicyFactory, cost_aware
+from failfast.decode.stats import GenerationStats
 
 
 @dataclass

@@ -19,10 +19,10 @@ from failfast.drafters import Drafter
 from failfast.errors import GenerationInputError
 from failfast.model import LoadedModel
 from failfast.model.kv_cache import KVCache
-from failfast.policies import Policy, PolicyFactory, is_policy_factory
-from failfast.stats import GenerationStats, RoundStats
-from failfast.stopping import StopStrings
-from failfast.verify import Sampler, SamplingParams, accept_choices, verify_draft
+from failfast.decode.policies import Policy, PolicyFactory, is_policy_factory
+from failfast.decode.stats import GenerationStats, RoundStats
+from failfast.decode.stopping import StopStrings
+from failfast.decode.sampling import Sampler, SamplingParams, accept_choices, verify_draft
 
 
 @dataclass

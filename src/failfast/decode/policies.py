@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol
 
-from failfast.costs import CostProfile, measure_costs
+from failfast.decode.costs import CostProfile, measure_costs
 from failfast.errors import PolicyError
 
 if TYPE_CHECKING:

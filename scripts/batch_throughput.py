@@ -1,0 +1,65 @@
+"""Throughput of the batch regime: plain AR and FailFast at several batch sizes, same prompts.
+
+Every (method, batch size) runs once per repeat, interleaved, after a warm-up; the table gives
+median tokens/s and each row's ratio to plain AR at the same batch size. Rows whose tokens
+differ from the B = 1 run of the same method are counted (batched float32 forwards may round
+a near-tie differently from one-row forwards; float64 never does, see the tests).
+
+    python scripts/batch_throughput.py --prompts 32 --max-new-tokens 64 --batch-sizes 1,4,16,32
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from failfast import FailFast, Pipeline
+from failfast.bench.datasets import load_dataset
+from failfast.decode.engine import GenerationRequest, SpeculativeEngine
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dataset", default="humaneval")
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--batch-sizes", default="1,4,16,32")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    pipe = Pipeline.load("target", "dllm-drafter", FailFast())
+    engines = {"ar": SpeculativeEngine(pipe.target), "failfast": pipe.engine}
+    requests = [GenerationRequest(pipe.encode(x.text), args.max_new_tokens) for x in load_dataset(args.dataset, args.prompts)]
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    runs = [(m, b) for b in sizes for m in engines]
+    times: dict[tuple[str, int], list[float]] = {r: [] for r in runs}
+    outputs: dict[tuple[str, int], list[list[int]]] = {}
+    tokens: dict[tuple[str, int], int] = {}
+    for repeat in range(args.repeats + 1):  # the first pass warms up and is not timed
+        for method, b in runs:
+            t0 = time.perf_counter()
+            done = dict(engines[method].generate_many(requests, b))
+            elapsed = time.perf_counter() - t0
+            outputs[(method, b)] = [done[i].token_ids for i in range(len(requests))]
+            tokens[(method, b)] = sum(len(t) for t in outputs[(method, b)])
+            if repeat:
+                times[(method, b)].append(elapsed)
+            print(f"repeat {repeat} {method} B={b}: {tokens[(method, b)] / elapsed:.1f} tok/s", flush=True)
+    print(f"\n{len(requests)} {args.dataset} prompts, {args.max_new_tokens} new tokens, "
+          f"{torch.get_num_threads()} threads, median of {args.repeats}\n")
+    print("| method | B | tokens/s | vs plain AR at this B | vs plain AR at B=1 | rows differing from B=1 |")
+    print("|---|---|---|---|---|---|")
+    rate = {r: tokens[r] / statistics.median(times[r]) for r in runs}
+    for method, b in runs:
+        differing = sum(x != y for x, y in zip(outputs[(method, b)], outputs[(method, sizes[0])]))
+        print(f"| {method} | {b} | {rate[(method, b)]:.1f} | {rate[(method, b)] / rate[('ar', b)]:.2f}x | "
+              f"{rate[(method, b)] / rate[('ar', sizes[0])]:.2f}x | {differing} |")
+
+
+if __name__ == "__main__":
+    main()
