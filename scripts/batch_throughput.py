@@ -1,4 +1,5 @@
-"""Throughput of the batch regime: plain AR and FailFast at several batch sizes, same prompts.
+"""Throughput of the batch regime: plain AR, the AR drafter (Fixed 4) and FailFast at several
+batch sizes, same prompts.
 
 Every (method, batch size) runs once per repeat, interleaved, after a warm-up; the table gives
 median tokens/s and each row's ratio to plain AR at the same batch size. Rows whose tokens
@@ -16,8 +17,9 @@ import time
 
 import torch
 
-from failfast import FailFast, Pipeline
+from failfast import FailFast, Fixed, Pipeline, load_model, make_drafter
 from failfast.bench.datasets import load_dataset
+from failfast.embedded import resolve_model
 from failfast.decode.engine import GenerationRequest, SpeculativeEngine
 
 
@@ -33,7 +35,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     pipe = Pipeline.load("target", "dllm-drafter", FailFast())
-    engines = {"ar": SpeculativeEngine(pipe.target), "failfast": pipe.engine}
+    ar_drafter = make_drafter(pipe.target, load_model(resolve_model("ar-drafter")))
+    engines = {"ar": SpeculativeEngine(pipe.target), "ar-fixed-4": SpeculativeEngine(pipe.target, ar_drafter, Fixed(4)),
+               "failfast": pipe.engine}
     requests = [GenerationRequest(pipe.encode(x.text), args.max_new_tokens) for x in load_dataset(args.dataset, args.prompts)]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     runs = [(m, b) for b in sizes for m in engines]

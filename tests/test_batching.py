@@ -1,5 +1,6 @@
 """Batched decoding: every row equals its single-sequence output (float64, CPU), whatever the
-drafter, policy, prompt lengths, finishing rounds, joining order and sampling seeds."""
+drafter, policy, prompt lengths, finishing rounds, joining order and sampling seeds; batched
+drafting (AR drafters) proposes exactly the drafts each row would alone."""
 
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ def _check_batches(engine: SpeculativeEngine, requests: list[GenerationRequest])
             assert got[i].token_ids == want.token_ids, (batch_size, i)
             assert got[i].stop_reason == want.stop_reason and got[i].text == want.text
             assert got[i].stats.tokens == len(want.token_ids)
+            # the same drafts, round by round: batched drafting (AR drafters) drafts what one row would
+            rounds = lambda r: [(x.drafted, x.accepted, x.drafter_forwards) for x in r.stats.trajectory]  # noqa: E731
+            assert rounds(got[i]) == rounds(want), (batch_size, i)
 
 
 @pytest.mark.parametrize("drafter_name", [None, "self", "random-ar", "random-dllm"])

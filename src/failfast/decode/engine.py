@@ -169,42 +169,78 @@ class SpeculativeEngine:
         capacity = longest + (max(r.max_new_tokens for r in requests) if slots > 1 else 0)
         cache = self.target.model.new_cache(capacity, batch=slots)
         drafters = [self.drafter] + [copy.copy(self.drafter) for _ in range(slots - 1)]
+        # drafters that batch their passes share one cache, a row per slot (room for padding too)
+        shared = (self.drafter.model.new_cache(capacity + 2, batch=slots)
+                  if slots > 1 and getattr(self.drafter, "batchable", False) else None)
         waiting = deque(enumerate(requests))
         active: dict[int, _Sequence] = {}
         while waiting or active:
             for slot in range(slots):
                 if slot not in active and waiting:
-                    active[slot] = self._start(*waiting.popleft(), drafters[slot], cache.row(slot))
-            self._round(active, cache, slots)
+                    active[slot] = self._start(*waiting.popleft(), drafters[slot], cache.row(slot),
+                                               shared.row(slot) if shared is not None else None)
+            self._round(active, cache, slots, drafters, shared)
             for slot in [s for s, seq in active.items() if seq.finished]:
                 seq = active.pop(slot)
                 yield seq.index, seq.result(self.target.tokenizer)
 
     def _start(self, index: int, request: GenerationRequest, drafter: Drafter | None,
-               cache: KVCache) -> _Sequence:
+               cache: KVCache, drafter_cache: KVCache | None) -> _Sequence:
         """Prefill a joining request's cache row (all prompt tokens but the last)."""
         tokenizer = self.target.tokenizer
         seq = _Sequence(index, request, drafter, cache, Sampler(request.sampling),
                         StopStrings(request.stop, tokenizer.decode) if request.stop else None,
                         frozenset(self.target.config.eos_token_ids), list(request.prompt_ids))
-        if drafter is not None:
-            drafter.prepare(len(request.prompt_ids) + request.max_new_tokens)
+        total = len(request.prompt_ids) + request.max_new_tokens
+        if drafter_cache is not None:
+            drafter.prepare(total, cache=drafter_cache)  # type: ignore[call-arg]
+        elif drafter is not None:
+            drafter.prepare(total)
         model = self.target.model
         if len(seq.committed) > 1:
             model(torch.tensor([seq.committed[:-1]], device=model.device), 0, cache, logits_at=slice(0, 0))
             seq.stats.target_forwards += 1
         return seq
 
-    def _round(self, active: dict[int, _Sequence], cache: KVCache, slots: int) -> None:
+    def _draft_together(self, active: dict[int, _Sequence], drafters: list, shared: KVCache) -> dict[int, tuple[list[int], list[float]]]:
+        """`_draft` for every row at once, one token per row and forward (a batchable drafter):
+        each row asks its policy whenever its last request is drafted, as `_draft` does."""
+        drafted = {slot: ([], []) for slot in active}
+        remaining = {}
+        for slot, seq in active.items():
+            remaining[slot] = 0
+            if seq.budget > 0:
+                seq.drafter.begin(seq.committed)
+                remaining[slot] = min(self.policy.request([]), seq.budget)
+        while wanted := [slot for slot in active if remaining[slot] > 0]:
+            for slot, (tok, conf) in type(drafters[0]).draft_rows(drafters, wanted, shared).items():
+                tokens, confs = drafted[slot]
+                tokens.append(tok)
+                confs.append(conf)
+                remaining[slot] -= 1
+                if remaining[slot] == 0:
+                    remaining[slot] = max(min(self.policy.request(confs), active[slot].budget - len(tokens)), 0)
+        return drafted
+
+    def _round(self, active: dict[int, _Sequence], cache: KVCache, slots: int, drafters: list,
+               shared: KVCache | None) -> None:
         """Draft for every active row, verify them in one forward, commit each row's tokens."""
         model = self.target.model
         drafts: dict[int, tuple[list[int], list[float], int, float]] = {}
-        for slot, seq in active.items():
+        if shared is not None and len(active) > 1:
             t0 = time.perf_counter()
-            passes_before = seq.drafter.forwards if seq.drafter else 0
-            draft, confs = self._draft(seq)
-            passes = (seq.drafter.forwards if seq.drafter else 0) - passes_before
-            drafts[slot] = (draft, confs, passes, time.perf_counter() - t0)
+            before = {slot: seq.drafter.forwards for slot, seq in active.items()}
+            together = self._draft_together(active, drafters, shared)
+            share = (time.perf_counter() - t0) / len(active)  # the batch's drafting time, split evenly
+            for slot, seq in active.items():
+                drafts[slot] = (*together[slot], seq.drafter.forwards - before[slot], share)
+        else:
+            for slot, seq in active.items():
+                t0 = time.perf_counter()
+                passes_before = seq.drafter.forwards if seq.drafter else 0
+                draft, confs = self._draft(seq)
+                passes = (seq.drafter.forwards if seq.drafter else 0) - passes_before
+                drafts[slot] = (draft, confs, passes, time.perf_counter() - t0)
         t1 = time.perf_counter()
         if len(active) == 1:  # alone: the single-sequence forward over its own cache row
             [(slot, seq)] = active.items()

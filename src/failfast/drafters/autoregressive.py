@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import torch
+
 from failfast.drafters.base import ModelDrafter, common_prefix_len
+from failfast.model.kv_cache import KVCache
 
 
 class ARDrafter(ModelDrafter):
-    """Greedy drafting with a KV cache; the cache keeps whatever prefix was verified."""
+    """Greedy drafting with a KV cache; the cache keeps whatever prefix was verified.
 
-    def prepare(self, total_len: int) -> None:
-        self._allocate(total_len + 1, total_len)
+    Batches (docs/design.md, "Batching"): each row's copy drafts into its row of one shared
+    cache (`prepare(..., cache=shared.row(slot))`), and `draft_rows` advances several rows by
+    one token in a single ragged forward, exactly as `draft(1)` would for each.
+    """
+
+    batchable = True
+
+    def prepare(self, total_len: int, cache: KVCache | None = None) -> None:
+        self._allocate(total_len + 1, total_len, cache)
         self._pending: list[int] = []
 
     def begin(self, committed: list[int]) -> None:
@@ -17,15 +27,38 @@ class ARDrafter(ModelDrafter):
         self._rollback(keep)
         self._pending = committed[keep:]  # tokens to feed before the next prediction
 
+    def _advance(self, logits: torch.Tensor) -> tuple[int, float]:
+        """Take the prediction after the pending tokens (whose K/V are now cached)."""
+        self.cache_ids.extend(self._pending)
+        self.forwards += 1
+        tok, conf = self.pick(logits)
+        self._pending = [int(tok)]
+        return int(tok), float(conf)
+
     def draft(self, count: int) -> tuple[list[int], list[float]]:
         tokens: list[int] = []
         confs: list[float] = []
         for _ in range(count):
             logits = self.model(self._tensor(self._pending), self.cache.length, self.cache, logits_at=slice(-1, None))
-            self.cache_ids.extend(self._pending)
-            self.forwards += 1
-            tok, conf = self.pick(logits[0, -1])
-            tokens.append(int(tok))
-            confs.append(float(conf))
-            self._pending = [tokens[-1]]
+            tok, conf = self._advance(logits[0, -1])
+            tokens.append(tok)
+            confs.append(conf)
         return tokens, confs
+
+    @staticmethod
+    def draft_rows(drafters: list["ARDrafter"], wanted: list[int], shared: KVCache) -> dict[int, tuple[int, float]]:
+        """One draft token for each slot in `wanted`, in one forward over every slot of
+        `shared` (`drafters[slot]` drafts into `shared.row(slot)`). Other slots compute
+        throwaway tokens at and past their cached length, which they overwrite before reading."""
+        width = max(len(drafters[slot]._pending) for slot in wanted)
+        tokens = [[0] * width for _ in drafters]
+        for slot in wanted:
+            tokens[slot][:len(drafters[slot]._pending)] = drafters[slot]._pending
+        model = drafters[wanted[0]].model
+        logits = model.forward_rows(torch.tensor(tokens, device=model.device), [d.cache.length for d in drafters], shared)
+        out = {}
+        for slot in wanted:
+            d = drafters[slot]
+            d.cache.length += len(d._pending)
+            out[slot] = d._advance(logits[slot, len(d._pending) - 1])
+        return out

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from failfast.errors import GenerationInputError
 from failfast.model import LoadedModel
+from failfast.model.kv_cache import KVCache
 
 
 class Drafter(Protocol):
@@ -49,12 +50,16 @@ class ModelDrafter:
         self.cache = self.model.new_cache(1)
         self.cache_ids: list[int] = []
 
-    def _allocate(self, capacity: int, needed_positions: int) -> None:
+    def _allocate(self, capacity: int, needed_positions: int, cache: KVCache | None = None) -> None:
+        """A fresh cache of `capacity`, or the given one (a row of a batch's shared drafter cache)."""
         limit = self.loaded.config.max_position_embeddings
         if needed_positions > limit:
             raise GenerationInputError(
                 f"the drafter's context is {limit} tokens; this request needs {needed_positions}")
-        self.cache = self.model.new_cache(capacity)
+        if cache is not None and cache.capacity < capacity:
+            raise ValueError(f"a drafter cache of {cache.capacity} positions is given; {capacity} are needed")
+        self.cache = cache if cache is not None else self.model.new_cache(capacity)
+        self.cache.length = 0
         self.cache_ids = []
 
     def _rollback(self, length: int) -> None:
