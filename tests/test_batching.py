@@ -71,3 +71,13 @@ def test_trained_drafter_long_drafts_eos_and_stop_strings_in_batches(trained_pai
     results = dict(engine.generate_many(requests))
     assert {r.stop_reason for r in results.values()} == {"eos", "stop", "length"}
     assert max(r.accepted for r in results[1].stats.trajectory) >= 8  # long drafts accepted inside a batch
+
+
+def test_a_long_prompt_joining_a_batch_with_an_ar_drafter(random_models):
+    """A joining row's drafter first feeds its whole prompt; the other rows must not pay for
+    (or overflow their cache rows with) that width."""
+    target = load_model(random_models["target"], dtype=torch.float64)
+    drafter = load_model(random_models["self"], dtype=torch.float64)
+    requests = [GenerationRequest(prompt_of(100), 60), GenerationRequest(prompt_of(3), 5),
+                GenerationRequest(prompt_of(150), 20)]
+    _check_batches(SpeculativeEngine(target, make_drafter(target, drafter), Fixed(4)), requests)

@@ -170,7 +170,7 @@ class SpeculativeEngine:
         cache = self.target.model.new_cache(capacity, batch=slots)
         drafters = [self.drafter] + [copy.copy(self.drafter) for _ in range(slots - 1)]
         # drafters that batch their passes share one cache, a row per slot (room for padding too)
-        shared = (self.drafter.model.new_cache(capacity + 2, batch=slots)
+        shared = (self.drafter.model.new_cache(capacity + 1 + self.drafter.batch_width, batch=slots)
                   if slots > 1 and getattr(self.drafter, "batchable", False) else None)
         waiting = deque(enumerate(requests))
         active: dict[int, _Sequence] = {}

@@ -17,6 +17,7 @@ class ARDrafter(ModelDrafter):
     """
 
     batchable = True
+    batch_width = 8  # rows with more pending tokens (a prompt after joining) step alone
 
     def prepare(self, total_len: int, cache: KVCache | None = None) -> None:
         self._allocate(total_len + 1, total_len, cache)
@@ -49,14 +50,22 @@ class ARDrafter(ModelDrafter):
     def draft_rows(drafters: list["ARDrafter"], wanted: list[int], shared: KVCache) -> dict[int, tuple[int, float]]:
         """One draft token for each slot in `wanted`, in one forward over every slot of
         `shared` (`drafters[slot]` drafts into `shared.row(slot)`). Other slots compute
-        throwaway tokens at and past their cached length, which they overwrite before reading."""
+        throwaway tokens at and past their cached length, which they overwrite before reading.
+        A row with more than `batch_width` pending tokens (its prompt, after joining) steps
+        alone, so that one long row does not widen every row's forward."""
+        out: dict[int, tuple[int, float]] = {}
+        for slot in [s for s in wanted if len(drafters[s]._pending) > ARDrafter.batch_width]:
+            tokens, confs = drafters[slot].draft(1)
+            out[slot] = (tokens[0], confs[0])
+        wanted = [slot for slot in wanted if slot not in out]
+        if not wanted:
+            return out
         width = max(len(drafters[slot]._pending) for slot in wanted)
         tokens = [[0] * width for _ in drafters]
         for slot in wanted:
             tokens[slot][:len(drafters[slot]._pending)] = drafters[slot]._pending
         model = drafters[wanted[0]].model
         logits = model.forward_rows(torch.tensor(tokens, device=model.device), [d.cache.length for d in drafters], shared)
-        out = {}
         for slot in wanted:
             d = drafters[slot]
             d.cache.length += len(d._pending)
