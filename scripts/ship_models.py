@@ -29,7 +29,7 @@ STAGES = {
                    [("pre-training", "drafter-ar-base"), ("distillation from the first target", "drafter-ar"),
                     ("training on the target's self-distilled continuations", "drafter-ar-sd")]),
     "dllm-drafter": ("block-diffusion drafter converted from the AR drafter (Fast-dLLM v2 recipe), "
-                     "trained on the target's own continuations",
+                     "distilled from the target",
                      [("AR pre-training", "drafter-ar-base"), ("AR distillation from the first target", "drafter-ar"),
                       ("block-diffusion conversion, distilled from the first target", "drafter-dllm"),
                       ("block-diffusion training, distilled from the first target", "drafter-dllm-long"),

@@ -219,7 +219,7 @@ def _add_generation_flags(g: argparse.ArgumentParser) -> None:
                         "cost-aware: FailFast's chunks, stopping by costs measured on this machine")
     g.add_argument("--k", type=int, default=5, help="draft length for --policy fixed")
     g.add_argument("--tau", type=float, default=0.45, help="FailFast confidence threshold")
-    g.add_argument("--chunk", type=int, default=10, help="FailFast / cost-aware chunk N")
+    g.add_argument("--chunk", type=int, default=8, help="FailFast / cost-aware chunk N (default: the embedded drafter's sub-block)")
     g.add_argument("--max-draft", type=int, default=60, help="FailFast / cost-aware maximum draft N_max")
     g.add_argument("--unmask-threshold", type=float, default=DEFAULT_UNMASK_THRESHOLD,
                    help="block-diffusion: unmask every position above this confidence per pass (0: one pass "

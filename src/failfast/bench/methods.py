@@ -65,7 +65,7 @@ def default_methods() -> list[MethodSpec]:
         MethodSpec("failfast-tau0.3", "dllm-drafter", FailFast(tau=0.3)),
         MethodSpec("failfast-tau0.6", "dllm-drafter", FailFast(tau=0.6)),
         MethodSpec("failfast-N5", "dllm-drafter", FailFast(chunk=5)),
-        MethodSpec("failfast-N8", "dllm-drafter", FailFast(chunk=8, max_draft=64)),  # chunk = the drafter's sub-block
+        MethodSpec("failfast-N10", "dllm-drafter", FailFast(chunk=10)),  # the paper's chunk
         MethodSpec("failfast-N20", "dllm-drafter", FailFast(chunk=20)),
         MethodSpec("failfast-Nmax30", "dllm-drafter", FailFast(max_draft=30)),
         MethodSpec("failfast-u0.3", "dllm-drafter", ff, unmask_threshold=0.3),
