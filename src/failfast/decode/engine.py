@@ -246,7 +246,7 @@ class SpeculativeEngine:
             [(slot, seq)] = active.items()
             n = len(seq.committed)
             logits = model(torch.tensor([[seq.committed[-1], *drafts[slot][0]]], device=model.device), n - 1, seq.cache)
-            rows = {slot: logits[0]}
+            index = {slot: 0}
         else:  # every slot in one ragged forward; idle slots compute a throwaway token at position 0
             width = 1 + max(len(d[0]) for d in drafts.values())
             tokens = [[0] * width for _ in range(slots)]
@@ -256,12 +256,12 @@ class SpeculativeEngine:
                 tokens[slot][:len(row)] = row
                 starts[slot] = len(seq.committed) - 1
             logits = model.forward_rows(torch.tensor(tokens, device=model.device), starts, cache)
-            rows = {slot: logits[slot] for slot in active}
-        greedy = {slot for slot, seq in active.items() if seq.sampler.params.greedy}
+            index = {slot: slot for slot in active}
+        rows = {slot: logits[i] for slot, i in index.items()}
         choices = {}
-        if greedy:  # one host read for every greedy row
-            picked = torch.stack([rows[s].argmax(-1) for s in sorted(greedy)]).tolist()
-            choices = dict(zip(sorted(greedy), picked))
+        if any(seq.sampler.params.greedy for seq in active.values()):  # one host read for every greedy row
+            picked = logits.argmax(-1).tolist()
+            choices = {slot: picked[index[slot]] for slot, seq in active.items() if seq.sampler.params.greedy}
         verify_s = time.perf_counter() - t1
         for slot, seq in active.items():
             draft, confs, passes, draft_s = drafts[slot]

@@ -25,6 +25,7 @@ from failfast.train.data import windows
 LossFn = Callable[[Transformer, Tensor, torch.Generator], Tensor]
 CHECKPOINT_DIR = "checkpoint"
 STATE_FILE = "state.json"
+RESUME_SHARD_BYTES = 16 * 2**20  # committed files stay small
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ def export_resume_point(checkpoint: Path, dest: Path, tokenizer: Tokenizer | Non
     """Copy a checkpoint's weights (16-bit) and progress, without the optimizer: small enough
     to commit, so a run can continue in a later session (`train(..., resume_from=dest)`)."""
     loaded = load_model(checkpoint)
-    save_model(loaded.model, dest, dtype=torch.float16, tokenizer=tokenizer)
+    save_model(loaded.model, dest, dtype=torch.float16, tokenizer=tokenizer, max_shard_bytes=RESUME_SHARD_BYTES)
     shutil.copyfile(checkpoint / STATE_FILE, dest / STATE_FILE)
 
 
