@@ -7,6 +7,7 @@ import torch
 
 from failfast import PolicyError, load_model, make_drafter
 from failfast.decode.costs import VERIFY_POINTS, CostProfile, measure_costs
+from failfast.decode.calibration import AcceptanceCalibrator
 from failfast.decode.policies import CostAware
 from tests.helpers import prompt_of
 
@@ -59,3 +60,32 @@ def test_measure_costs_times_every_point(random_models):
     assert [k for k, _ in profile.verify_points] == list(VERIFY_POINTS)
     assert profile.draft_ms_per_token > 0
     assert drafter.forwards > 0
+
+
+def test_calibrator_starts_at_each_bins_centre_and_learns_reached_tokens_only():
+    cal = AcceptanceCalibrator(bins=10, prior=4.0)
+    assert cal.probability(0.03) == pytest.approx(0.05) and cal.probability(0.97) == pytest.approx(0.95)
+    assert cal.probability(1.0) == pytest.approx(0.95)  # confidence 1 falls in the top bin
+    cal.observe([0.03, 0.03, 0.97, 0.97], accepted=2)  # two accepted, the third rejected, the fourth never reached
+    assert cal.probability(0.03) == pytest.approx((0.2 + 2) / (4 + 2))
+    assert cal.probability(0.97) == pytest.approx(3.8 / 5)
+    for _ in range(200):
+        cal.observe([0.03], accepted=1)
+    assert cal.probability(0.03) > 0.95  # an underconfident drafter's low confidences are learned to be safe
+
+
+def test_verification_is_cut_to_the_prefix_worth_its_cost():
+    likely_head = [0.95, 0.95, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05]
+    assert CostAware(FLAT).verify_count(likely_head) == 8  # free verification: verify everything
+    assert CostAware(STEEP).verify_count(likely_head) == 2
+    assert CostAware(STEEP).verify_count([0.05] * 8) == 0
+    assert CostAware(STEEP).verify_count([]) == 0
+
+
+def test_observed_acceptances_lengthen_what_is_verified():
+    policy = CostAware(STEEP)
+    confs = [0.35] * 6
+    before = policy.verify_count(confs)
+    for _ in range(100):
+        policy.observe(confs, accepted=6)  # tokens at confidence 0.35 turn out always accepted
+    assert before < 6 == policy.verify_count(confs)

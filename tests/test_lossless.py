@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,22 @@ def test_max_new_tokens_cuts_a_long_draft(trained_pair, max_new):
     result = SpeculativeEngine(target, make_drafter(target, drafter), Fixed(30)).generate(prompt, max_new)
     assert result.token_ids == hf_greedy(target_dir, prompt, max_new)
     assert result.stats.tokens == max_new and result.stop_reason == "length"
+
+
+@dataclass(frozen=True)
+class VerifyTwo(Fixed):
+    """Drafts k tokens but verifies at most two of them."""
+
+    def verify_count(self, confidences: list[float]) -> int:
+        return min(2, len(confidences))
+
+
+def test_only_the_prefix_the_policy_picks_is_verified(trained_pair):
+    target_dir, drafter_dir = trained_pair
+    target = load_model(target_dir, dtype=torch.float64)
+    drafter = load_model(drafter_dir, dtype=torch.float64)
+    prompt = list(range(3, 8))
+    result = SpeculativeEngine(target, make_drafter(target, drafter), VerifyTwo(8)).generate(prompt, 40)
+    assert result.token_ids == hf_greedy(target_dir, prompt, 40)
+    assert max(r.drafted for r in result.stats.trajectory) == 2
+    assert result.stats.tokens_per_round > 2.5  # the counting pair accepts both and the target adds one

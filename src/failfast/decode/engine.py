@@ -241,6 +241,9 @@ class SpeculativeEngine:
                 draft, confs = self._draft(seq)
                 passes = (seq.drafter.forwards if seq.drafter else 0) - passes_before
                 drafts[slot] = (draft, confs, passes, time.perf_counter() - t0)
+        for slot, (draft, confs, passes, draft_s) in drafts.items():
+            keep = self.policy.verify_count(confs) if self.policy is not None else 0
+            drafts[slot] = (draft[:keep], confs[:keep], passes, draft_s)
         t1 = time.perf_counter()
         if len(active) == 1:  # alone: the single-sequence forward over its own cache row
             [(slot, seq)] = active.items()
@@ -270,6 +273,8 @@ class SpeculativeEngine:
                 accepted, next_token = accept_choices(choices[slot], draft)
             else:
                 accepted, next_token = verify_draft(rows[slot][:len(draft) + 1], draft, seq.sampler, n)
+            if self.policy is not None:
+                self.policy.observe(confs, accepted)
             seq.cache.length = n + accepted
             seq.stats.target_forwards += 1
             seq.stats.draft_s += draft_s

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol
 
+from failfast.decode.calibration import AcceptanceCalibrator
 from failfast.decode.costs import CostProfile, measure_costs
 from failfast.errors import PolicyError
 
@@ -20,6 +21,22 @@ class Policy(Protocol):
     def request(self, confidences: list[float]) -> int:
         """How many more tokens to draft given this round's confidences so far; 0 stops."""
 
+    def verify_count(self, confidences: list[float]) -> int:
+        """How many of the round's drafted tokens (a prefix) the target verifies."""
+
+    def observe(self, confidences: list[float], accepted: int) -> None:
+        """The verified draft's confidences and how many of its tokens were accepted."""
+
+
+class StatelessRounds:
+    """Verify every drafted token and learn nothing from earlier rounds (the papers' rounds)."""
+
+    def verify_count(self, confidences: list[float]) -> int:
+        return len(confidences)
+
+    def observe(self, confidences: list[float], accepted: int) -> None:
+        pass
+
 
 # Builds a policy from the loaded target and drafter and the first request's prompt ids (the
 # engine calls it once, before that request): for policies that measure this machine.
@@ -31,7 +48,7 @@ def is_policy_factory(policy: "Policy | PolicyFactory") -> bool:
 
 
 @dataclass(frozen=True)
-class Fixed:
+class Fixed(StatelessRounds):
     """Draft exactly k tokens each round (classic speculative decoding)."""
 
     k: int
@@ -49,7 +66,7 @@ class Fixed:
 
 
 @dataclass(frozen=True)
-class FailFast:
+class FailFast(StatelessRounds):
     """Paper Algorithm 1: draft `chunk` tokens; while all are confident, draft more, up to `max_draft`."""
 
     tau: float = 0.45
@@ -81,15 +98,20 @@ class CostAware:
     """FailFast's chunked loop with a measured stop rule, for machines where long drafts are
     not free to verify (CPUs).
 
-    A drafted token's confidence stands for its chance of acceptance, so the draft so far is
-    worth an expected `1 + sum_i prod_{j<=i} c_j` committed tokens. Draft another chunk only
-    if the round's expected tokens per millisecond (drafting plus verifying, from `costs`)
-    rise with it; the chunk's confidences are assumed to be the last chunk's geometric mean.
+    Each drafted token has a chance of acceptance: its confidence, mapped through the
+    acceptance rates earlier rounds showed for that confidence (`calibrator`, updated by
+    `observe`). The draft so far is worth an expected `1 + sum_i prod_{j<=i} p_j` committed
+    tokens. Draft another chunk only if the round's expected tokens per millisecond
+    (drafting plus verifying, from `costs`) rise with it; the chunk's chances are assumed
+    to be the last chunk's geometric mean. A block drafter's chunk often holds a likely head
+    and an unlikely tail, and on a CPU each verified token costs, so only the prefix with
+    the best expected tokens per millisecond is verified (`verify_count`).
     """
 
     costs: CostProfile
     chunk: int = 8
     max_draft: int = 60
+    calibrator: AcceptanceCalibrator = field(default_factory=AcceptanceCalibrator, compare=False)
 
     def __post_init__(self) -> None:
         if self.chunk < 1 or self.chunk > self.max_draft:
@@ -99,9 +121,25 @@ class CostAware:
     def name(self) -> str:
         return f"cost-aware(N={self.chunk}, N_max={self.max_draft})"
 
-    def _rate(self, drafted: int, expected: float) -> float:
-        spent = drafted * self.costs.draft_ms_per_token + self.costs.verify_ms(drafted + 1)
+    def _rate(self, drafted: int, expected: float, verified: int) -> float:
+        spent = drafted * self.costs.draft_ms_per_token + self.costs.verify_ms(verified + 1)
         return (1 + expected) / spent
+
+    def _expected_prefixes(self, confidences: list[float]) -> list[float]:
+        """Expected accepted tokens when verifying the first 0, 1, ..., m drafted tokens."""
+        expected, survive = [0.0], 1.0
+        for c in confidences:
+            survive *= self.calibrator.probability(c)
+            expected.append(expected[-1] + survive)
+        return expected
+
+    def verify_count(self, confidences: list[float]) -> int:
+        m = len(confidences)
+        rates = [self._rate(m, e, length) for length, e in enumerate(self._expected_prefixes(confidences))]
+        return max(range(m + 1), key=rates.__getitem__)
+
+    def observe(self, confidences: list[float], accepted: int) -> None:
+        self.calibrator.observe(confidences, accepted)
 
     def request(self, confidences: list[float]) -> int:
         if not confidences:
@@ -110,14 +148,13 @@ class CostAware:
         more = min(self.chunk, self.max_draft - m)
         if more <= 0:
             return 0
-        expected, survive = 0.0, 1.0
-        for c in confidences:
-            survive *= c
-            expected += survive
-        recent = confidences[-self.chunk:]
+        expected = self._expected_prefixes(confidences)
+        survive = expected[-1] - expected[-2]
+        recent = [self.calibrator.probability(c) for c in confidences[-self.chunk:]]
         q = math.prod(recent) ** (1 / len(recent))
         gain = survive * sum(q ** i for i in range(1, more + 1))
-        return more if self._rate(m + more, expected + gain) > self._rate(m, expected) else 0
+        now = max(self._rate(m, e, length) for length, e in enumerate(expected))
+        return more if self._rate(m + more, expected[-1] + gain, m + more) > now else 0
 
 
 def cost_aware(chunk: int = 8, max_draft: int = 60) -> PolicyFactory:

@@ -8,7 +8,7 @@ from typing import Any
 
 @dataclass
 class RoundStats:
-    drafted: int
+    drafted: int  # draft tokens the target verified (a policy may verify only a prefix of its draft)
     accepted: int
     drafter_forwards: int
     confidences: list[float]
