@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from failfast import BlockDiffusionDrafter, load_model
+from failfast.drafters.block_diffusion import DENOISE_MODES
 from failfast.model.transformer import attention_mask
 from failfast.train.objectives import block_diffusion_layout_mask
 from tests.helpers import tiny_config, write_model
@@ -47,7 +48,8 @@ def test_training_layout_mask():
 
 
 def _reference_logits(d: BlockDiffusionDrafter, committed: list[int]) -> torch.Tensor:
-    """Logits predicting position len(committed), computed from scratch by the definition."""
+    """Logits predicting position len(committed), computed from scratch by the definition: the
+    block's known tokens and masks (in prefix mode only through the active sub-block's end)."""
     model, n = d.model, len(committed)
     full = n // B * B
     cache = model.new_cache(200)
@@ -56,12 +58,16 @@ def _reference_logits(d: BlockDiffusionDrafter, committed: list[int]) -> torch.T
     if full:
         model(torch.tensor([committed[:full]]), 0, cache, block_size=B)
     block = committed[full:] + [MASK] * (full + B - n)
+    if d.denoise == "prefix":
+        block = block[:(n - full) // S * S + S]
     logits = model(torch.tensor([block]), full, cache, block_size=B, commit=False)
     return logits[0, n - full - 1]  # token shift: position n is read at n - 1
 
 
+@pytest.mark.parametrize("denoise", DENOISE_MODES)
 @pytest.mark.parametrize("n", [3, 8, 11, 16, 21])
-def test_first_draft_token_uses_the_token_shift(drafter, n):
+def test_first_draft_token_uses_the_token_shift(drafter, n, denoise):
+    drafter.denoise = denoise
     committed = torch.randint(2, 90, (n,), generator=torch.Generator().manual_seed(n)).tolist()
     drafter.begin(committed)
     (token,), (conf,) = drafter.draft(1)
@@ -135,6 +141,16 @@ def test_sub_block_pass_over_unchanged_tokens_equals_the_full_block_pass(tmp_pat
     assert cache.length == 2 * B  # scratch passes never extend the cache
 
 
+@pytest.mark.parametrize("lo,hi", [(0, 4), (2, 6), (3, B), (5, 6)])
+def test_prefix_pass_over_unchanged_tokens_equals_the_pass_over_the_blocks_prefix(tmp_path, lo, hi):
+    # prefix mode's definition: the block's first `hi` positions, attending to nothing after them
+    model, cache, block, _ = _scratch_pass_setup(tmp_path, layers=3)
+    prefix_pass = model(block[:, :hi], 2 * B, cache, block_size=B, commit=False)
+    part = model(block[:, lo:hi], 2 * B + lo, cache, block_size=B, commit=False, context_end=2 * B + hi)
+    torch.testing.assert_close(part, prefix_pass[:, lo:hi], rtol=1e-12, atol=1e-12)
+    assert cache.length == 2 * B
+
+
 def test_sub_block_pass_reads_other_positions_kv_from_scratch(tmp_path):
     # With one layer, K/V depend only on each position's own token, so recomputing the changed
     # positions and reading the others' scratch K/V must equal a full pass over the new block.
@@ -176,7 +192,7 @@ class _WidthRecorder:
         return getattr(self.model, name)
 
 
-@pytest.mark.parametrize("denoise", ["sub-block", "full-block"])
+@pytest.mark.parametrize("denoise", ["prefix", "sub-block", "full-block"])
 def test_sub_block_mode_computes_only_the_active_positions(tmp_path, denoise):
     folder = write_model(tmp_path / "d", tiny_config(mask_token_id=MASK, block_size=B, sub_block_size=S), seed=4)
     d = BlockDiffusionDrafter(load_model(folder, dtype=torch.float64), vocab_limit=96, unmask_threshold=0.0,
@@ -187,6 +203,16 @@ def test_sub_block_mode_computes_only_the_active_positions(tmp_path, denoise):
     d.draft(5 + 4)              # threshold 0: one pass per sub-block; then block 1's first sub-block
     if denoise == "full-block":
         assert recorder.widths == [B, B, B, B]
+    elif denoise == "prefix":
+        # [0,4): the first sub-block, attending to nothing after it; [3,8): position 3 was a mask
+        # when its scratch K/V were written; [0,8) commits block 0; [0,4): block 1's first sub-block
+        assert recorder.widths == [S, B - 3, B, S]
+        d.draft(4)              # block 1's second sub-block: positions 1..3 changed, 4..7 active
+        assert recorder.widths[-1] == B - 1
+        block_1 = d.block[:]
+        d.begin(d.cache_ids + block_1[:5])  # the next round accepts 4 tokens of block 1
+        d.draft(3)                          # its scratch K/V stay valid: only positions 4..7 again
+        assert recorder.widths[-1] == B - 4
     else:
         # [0,8): the first pass fills the scratch K/V; [3,8): position 3 was just unmasked and
         # positions 4..7 are the active sub-block; [0,8) commits block 0; [0,8): block 1's first pass

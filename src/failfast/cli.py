@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from failfast.drafters.block_diffusion import DEFAULT_UNMASK_THRESHOLD, DENOISE_MODES
+from failfast.drafters.block_diffusion import DEFAULT_DENOISE, DEFAULT_UNMASK_THRESHOLD, DENOISE_MODES
 from failfast.embedded import DEFAULT_DRAFTER, DEFAULT_TARGET
 from failfast.errors import FailfastError, GenerationInputError
 from failfast.model.precision import DTYPES, resolve_dtype
@@ -224,8 +224,9 @@ def _add_generation_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--unmask-threshold", type=float, default=DEFAULT_UNMASK_THRESHOLD,
                    help="block-diffusion: unmask every position above this confidence per pass (0: one pass "
                         "per sub-block; the paper uses 0.05)")
-    g.add_argument("--denoise", choices=list(DENOISE_MODES), default="sub-block",
-                   help="block-diffusion pass: sub-block (block cache, cheaper) or full-block (exact)")
+    g.add_argument("--denoise", choices=list(DENOISE_MODES), default=DEFAULT_DENOISE,
+                   help="block-diffusion pass: prefix (the active sub-block against cached K/V of what precedes "
+                        "it; default), sub-block (Fast-dLLM v2's block cache) or full-block (exact)")
     g.add_argument("--sub-block", type=int, help="block-diffusion sub-block size (default: the drafter's config)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from failfast.drafters import Drafter, make_drafter
-from failfast.drafters.block_diffusion import DEFAULT_UNMASK_THRESHOLD
+from failfast.drafters.block_diffusion import DEFAULT_DENOISE, DEFAULT_UNMASK_THRESHOLD
 from failfast.bench.oracle import OracleDrafter
 from failfast.decode.engine import SpeculativeEngine
 from failfast.model import LoadedModel, load_model
@@ -36,7 +36,7 @@ class MethodSpec:
     kind: str                      # ar | hf | hf-assisted | ar-drafter | dllm-drafter | oracle
     policy: Policy | PolicyFactory | None = None
     unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD
-    denoise: str = "sub-block"     # block-diffusion pass: sub-block (block cache) or full-block
+    denoise: str = DEFAULT_DENOISE  # block-diffusion pass: prefix, sub-block (block cache) or full-block
     sub_block_size: int | None = None  # None: the drafter's config
     schedule: str | None = None    # transformers assisted generation schedule
     drafter_dtype: torch.dtype | None = None  # None: the target's dtype
@@ -71,6 +71,7 @@ def default_methods() -> list[MethodSpec]:
         MethodSpec("failfast-u0.3", "dllm-drafter", ff, unmask_threshold=0.3),
         MethodSpec("failfast-u0.05", "dllm-drafter", ff, unmask_threshold=0.05),  # the paper's threshold
         MethodSpec("failfast-full-block", "dllm-drafter", ff, denoise="full-block"),
+        MethodSpec("failfast-sub-block", "dllm-drafter", ff, denoise="sub-block"),  # Fast-dLLM v2's block cache
         MethodSpec("failfast-s4", "dllm-drafter", ff, sub_block_size=4),
         MethodSpec("failfast-s16", "dllm-drafter", ff, sub_block_size=16),
         MethodSpec("failfast-drafter-fp32", "dllm-drafter", ff, drafter_dtype=torch.float32),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from failfast.drafters.autoregressive import ARDrafter
 from failfast.drafters.base import Drafter
-from failfast.drafters.block_diffusion import DEFAULT_UNMASK_THRESHOLD, BlockDiffusionDrafter
+from failfast.drafters.block_diffusion import DEFAULT_DENOISE, DEFAULT_UNMASK_THRESHOLD, BlockDiffusionDrafter
 from failfast.errors import IncompatibleModelsError
 from failfast.model import LoadedModel
 
@@ -31,7 +31,7 @@ def check_vocabularies(target: LoadedModel, drafter: LoadedModel) -> None:
 
 
 def make_drafter(target: LoadedModel, drafter: LoadedModel, unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD,
-                 denoise: str = "sub-block", sub_block_size: int | None = None) -> Drafter:
+                 denoise: str = DEFAULT_DENOISE, sub_block_size: int | None = None) -> Drafter:
     """A block-diffusion drafter if the checkpoint is one, else an autoregressive drafter
     (`unmask_threshold`, `denoise` and `sub_block_size` only apply to block diffusion)."""
     check_vocabularies(target, drafter)
