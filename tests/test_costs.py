@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from failfast import PolicyError, load_model, make_drafter
-from failfast.decode.costs import VERIFY_POINTS, CostProfile, measure_costs
+from failfast.decode.costs import VERIFY_POINTS, CostProfile, _interleaved_median_ms, measure_costs
 from failfast.decode.calibration import AcceptanceCalibrator
 from failfast.decode.policies import CostAware
 from tests.helpers import prompt_of
@@ -89,3 +89,9 @@ def test_observed_acceptances_lengthen_what_is_verified():
     for _ in range(100):
         policy.observe(confs, accepted=6)  # tokens at confidence 0.35 turn out always accepted
     assert before < 6 == policy.verify_count(confs)
+
+
+def test_costs_are_timed_in_turn_after_one_warm_up_each():
+    calls: list[str] = []
+    medians = _interleaved_median_ms([lambda: calls.append("a"), lambda: calls.append("b")], repeats=3)
+    assert calls == ["a", "b"] * 4 and len(medians) == 2 and all(ms >= 0 for ms in medians)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from statistics import median
+from typing import Callable
 
 import torch
 
@@ -44,19 +45,23 @@ class CostProfile:
         return ms0 + (ms1 - ms0) * (k - k0) / (k1 - k0)
 
 
-def _median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def _interleaved_median_ms(fns: list[Callable[[], None]], repeats: int) -> list[float]:
+    """Median ms of each function, timed in turn `repeats` times after one warm-up each, so
+    a burst of load on the machine spreads over all of them instead of skewing one."""
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * median(times)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, spent in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            spent.append(time.perf_counter() - t0)
+    return [1e3 * median(spent) for spent in times]
 
 
 @torch.inference_mode()
 def measure_costs(target: LoadedModel, drafter: Drafter, prompt_ids: list[int], *,
-                  draft_tokens: int = 16, repeats: int = 3) -> CostProfile:
+                  draft_tokens: int = 16, repeats: int = 5) -> CostProfile:
     """Time target forwards of `VERIFY_POINTS` tokens after the prompt, and a `draft_tokens`
     draft after it in steady state (the warm-up fills the drafter's cache with the prompt,
     as earlier rounds of a generation do)."""
@@ -64,14 +69,14 @@ def measure_costs(target: LoadedModel, drafter: Drafter, prompt_ids: list[int], 
     n = len(prompt_ids)
     cache = model.new_cache(n + max(VERIFY_POINTS))
     model(torch.tensor([prompt_ids], device=model.device), 0, cache, logits_at=slice(0, 0))
-    points = []
-    for k in VERIFY_POINTS:
+
+    def verify(k: int) -> Callable[[], None]:
         tokens = torch.tensor([prompt_ids[-1:] * k], device=model.device)
 
-        def verify() -> None:
+        def run() -> None:
             cache.rollback(n)
             model(tokens, n, cache)
-        points.append((k, _median_ms(verify, repeats)))
+        return run
     drafter.prepare(n + draft_tokens)
 
     def draft() -> None:
@@ -79,4 +84,5 @@ def measure_costs(target: LoadedModel, drafter: Drafter, prompt_ids: list[int], 
         drafted = 0
         while drafted < draft_tokens and (new := drafter.draft(draft_tokens - drafted)[0]):
             drafted += len(new)
-    return CostProfile(tuple(points), _median_ms(draft, repeats) / draft_tokens)
+    *verify_ms, draft_ms = _interleaved_median_ms([verify(k) for k in VERIFY_POINTS] + [draft], repeats)
+    return CostProfile(tuple(zip(VERIFY_POINTS, verify_ms)), draft_ms / draft_tokens)
