@@ -125,18 +125,25 @@ class CostAware:
         spent = drafted * self.costs.draft_ms_per_token + self.costs.verify_ms(verified + 1)
         return (1 + expected) / spent
 
-    def _expected_prefixes(self, confidences: list[float]) -> list[float]:
+    def _chances(self, confidences: list[float]) -> list[float]:
+        return [self.calibrator.probability(c) for c in confidences]
+
+    @staticmethod
+    def _expected_prefixes(chances: list[float]) -> list[float]:
         """Expected accepted tokens when verifying the first 0, 1, ..., m drafted tokens."""
         expected, survive = [0.0], 1.0
-        for c in confidences:
-            survive *= self.calibrator.probability(c)
+        for p in chances:
+            survive *= p
             expected.append(expected[-1] + survive)
         return expected
 
+    def _prefix_rates(self, drafted: int, expected: list[float]) -> list[float]:
+        """Expected tokens per ms of the round when verifying each prefix (index = its length)."""
+        return [self._rate(drafted, e, length) for length, e in enumerate(expected)]
+
     def verify_count(self, confidences: list[float]) -> int:
-        m = len(confidences)
-        rates = [self._rate(m, e, length) for length, e in enumerate(self._expected_prefixes(confidences))]
-        return max(range(m + 1), key=rates.__getitem__)
+        rates = self._prefix_rates(len(confidences), self._expected_prefixes(self._chances(confidences)))
+        return max(range(len(rates)), key=rates.__getitem__)
 
     def observe(self, confidences: list[float], accepted: int) -> None:
         self.calibrator.observe(confidences, accepted)
@@ -148,12 +155,13 @@ class CostAware:
         more = min(self.chunk, self.max_draft - m)
         if more <= 0:
             return 0
-        expected = self._expected_prefixes(confidences)
+        chances = self._chances(confidences)
+        expected = self._expected_prefixes(chances)
         survive = expected[-1] - expected[-2]
-        recent = [self.calibrator.probability(c) for c in confidences[-self.chunk:]]
+        recent = chances[-self.chunk:]
         q = math.prod(recent) ** (1 / len(recent))
         gain = survive * sum(q ** i for i in range(1, more + 1))
-        now = max(self._rate(m, e, length) for length, e in enumerate(expected))
+        now = max(self._prefix_rates(m, expected))
         return more if self._rate(m + more, expected[-1] + gain, m + more) > now else 0
 
 

@@ -134,7 +134,7 @@ class BlockDiffusionDrafter(ModelDrafter):
         b = self.block_size
         if self.denoise == "full-block" or (self.denoise == "sub-block" and None in self.scratch_ids[end:]):
             return 0, b
-        stale = [p for p in range(end) if self.scratch_ids[p] != self.block[p]]  # None too
+        stale = [p for p in range(end) if self.scratch_ids[p] != self.block[p]]  # never written (None) is stale
         return min(stale + [j - 1 for j in masked]), end
 
     def draft(self, count: int) -> tuple[list[int], list[float]]:
