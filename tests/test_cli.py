@@ -37,7 +37,8 @@ def test_cost_aware_policy_from_the_cli_is_lossless(random_models, capsys):
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     plain = SpeculativeEngine(load_model(target_dir, dtype=torch.float64)).generate([5, 6, 7, 8, 9], 20)
-    assert out["token_ids"] == plain.token_ids and out["stats"]["drafted"] > 0
+    # the policy drafted (how much of it is verified depends on the costs measured on this machine)
+    assert out["token_ids"] == plain.token_ids and out["stats"]["drafter_forwards"] > 0
 
 
 def test_console_script_runs_plain_ar(target_dir):
