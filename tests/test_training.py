@@ -252,11 +252,14 @@ def test_self_distillation_rows_are_the_targets_own_continuations(data_dir, tmp_
         own = SpeculativeEngine(target).generate(row[:8], 12).token_ids
         greedy += row[8:] == own[:12] or (0 in own and row[8:8 + len(own)] == own)
     assert 1 <= greedy < 6  # greedy rows reproduce the target; sampled rows (about half) differ
-    # A lost shard is regenerated identically; other settings in the same folder are refused.
+    # A lost shard is regenerated identically; more tokens add shards and keep the others;
+    # other settings in the same folder are refused.
     first = (tmp_path / "sd" / "rows-00000.npy").read_bytes()
     (tmp_path / "sd" / "rows-00000.npy").unlink()
     generate_self_distillation(tmp_path / "target", data_dir, tmp_path / "sd", settings)
     assert (tmp_path / "sd" / "rows-00000.npy").read_bytes() == first
+    grown = generate_self_distillation(tmp_path / "target", data_dir, tmp_path / "sd", replace(settings, tokens=108))
+    assert grown["rows"] == 9 and torch.equal(load_rows(tmp_path / "sd")[:6], rows)
     with pytest.raises(FailfastError, match="other settings"):
         generate_self_distillation(tmp_path / "target", data_dir, tmp_path / "sd", replace(settings, seed=4))
     # Drafters train on the rows: windows never cross rows, and the losses fall.

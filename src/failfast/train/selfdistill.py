@@ -7,7 +7,9 @@ temperature for variety) teaches them exactly that (docs/design.md, "Training da
 Rows are `prompt_len` corpus tokens followed by `new_tokens` target tokens, generated in
 batches of same-length prompts (one forward per new token for the whole batch). Output is
 written in shards, each seeded by its index, so an interrupted run resumes at the first
-missing shard and produces the same rows as an uninterrupted one.
+missing shard and produces the same rows as an uninterrupted one. Asking for more tokens in
+the same folder adds shards (a longer run's rows extend a shorter run's), so generation can
+grow across sessions.
 """
 
 from __future__ import annotations
@@ -84,6 +86,10 @@ def _shard_path(out: Path, index: int) -> Path:
     return out / f"rows-{index:05d}.npy"
 
 
+def _shard_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.glob("rows-*.npy") if not p.name.endswith(".tmp.npy"))
+
+
 def _make_shard(model: Transformer, corpus: Tensor, s: SelfDistillSettings, index: int) -> np.ndarray:
     gen = torch.Generator().manual_seed(s.seed * 1_000_003 + index)
     batches = []
@@ -94,6 +100,11 @@ def _make_shard(model: Transformer, corpus: Tensor, s: SelfDistillSettings, inde
                                    torch.tensor(s.temperature), torch.tensor(0.0))
         batches.append(continue_batch(model, prompts, s.new_tokens, temperatures, gen))
     return torch.cat(batches).numpy().astype(np.uint16)
+
+
+def _same_rows(a: dict, b: dict) -> bool:
+    """Settings that make the same shard for the same index (the token count only sets how many)."""
+    return {k: v for k, v in a.items() if k != "tokens"} == {k: v for k, v in b.items() if k != "tokens"}
 
 
 def generate_self_distillation(target_dir: Path, data_dir: Path, out: Path, s: SelfDistillSettings,
@@ -108,7 +119,7 @@ def generate_self_distillation(target_dir: Path, data_dir: Path, out: Path, s: S
                             f"corpus tokenizer ({data.tokenizer.vocab_size})")
     manifest_path = out / MANIFEST_FILE
     previous = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
-    if previous is not None and previous["settings"] != asdict(s):
+    if previous is not None and not _same_rows(previous["settings"], asdict(s)):
         raise FailfastError(f"{out} holds rows made with other settings; use a new folder")
     if previous is None:  # settings first, so that a resumed run can be checked against them
         previous = {"settings": asdict(s), "wall_s": 0.0}
@@ -130,12 +141,13 @@ def generate_self_distillation(target_dir: Path, data_dir: Path, out: Path, s: S
             bar.update(task, advance=1, tps=tps)
             log_milestone(bar, done, len(todo), started, f"shards of self-distillation, {tps:.0f} tok/s")
     wall = time.perf_counter() - started
+    shards = len(_shard_files(out))  # a run that asked for fewer tokens keeps a longer run's shards
     manifest = {
         "target": str(target_dir),
         "settings": asdict(s),
-        "rows": s.shards * s.shard_rows,
+        "rows": shards * s.shard_rows,
         "row_length": s.prompt_len + s.new_tokens,
-        "target_tokens": s.shards * s.shard_rows * s.new_tokens,
+        "target_tokens": shards * s.shard_rows * s.new_tokens,
         "wall_s": previous["wall_s"] + wall,
         "tokens_per_s_last_run": made / wall if made else None,
     }
@@ -146,8 +158,7 @@ def generate_self_distillation(target_dir: Path, data_dir: Path, out: Path, s: S
 def load_rows(folder: Path) -> Tensor:
     """All rows of a self-distillation folder as one [N, L] tensor."""
     folder = Path(folder)
-    shards = sorted(folder.glob("rows-*.npy"))
-    shards = [p for p in shards if not p.name.endswith(".tmp.npy")]
+    shards = _shard_files(folder)
     if not (folder / MANIFEST_FILE).is_file() or not shards:
         raise FailfastError(f"{folder} holds no self-distillation rows; run `failfast train selfdistill` first")
     return torch.from_numpy(np.concatenate([np.load(p) for p in shards]).astype(np.int64))
