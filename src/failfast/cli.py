@@ -1,16 +1,17 @@
-"""The `failfast` command: generate, batch, demo, bench, train."""
+"""The `failfast` command: generate, batch, serve, demo, bench, train."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 import torch
 
 from failfast.drafters.block_diffusion import DEFAULT_DENOISE, DEFAULT_UNMASK_THRESHOLD, DENOISE_MODES
-from failfast.embedded import DEFAULT_DRAFTER, DEFAULT_TARGET
+from failfast.embedded import DEFAULT_DRAFTER, DEFAULT_TARGET, EMBEDDED
 from failfast.errors import FailfastError, GenerationInputError
 from failfast.model.precision import DTYPES, resolve_dtype
 from failfast.pipeline import Pipeline
@@ -93,6 +94,25 @@ def cmd_batch(args: argparse.Namespace) -> int:
     summary = run_batch(pipe, Path(args.input), Path(args.output), defaults, args.batch_size)
     print_summary(summary, Path(args.output))
     return 1 if summary.failed else 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from failfast.serve.app import ServerSettings, create_app
+    except ImportError as exc:
+        raise GenerationInputError(f"failfast serve needs the serve extra: pip install 'failfast[serve]' ({exc})") from None
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.max_batch < 1 or args.max_queue < 0 or (args.max_tokens is not None and args.max_tokens < 1):
+        raise GenerationInputError("--max-batch and --max-tokens must be >= 1, --max-queue >= 0")
+    pipe = _load_pipeline(args)
+    name = args.served_model_name or (f"failfast-{args.target}" if args.target in EMBEDDED else Path(args.target).name)
+    settings = ServerSettings(name, args.api_key or os.environ.get("FAILFAST_API_KEY") or None, args.max_batch,
+                              args.max_queue, args.max_tokens)
+    uvicorn.run(create_app(pipe, settings), host=args.host, port=args.port, log_level="info")
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -211,6 +231,17 @@ def _self_distill(args: argparse.Namespace) -> int:
 
 def _add_generation_flags(g: argparse.ArgumentParser) -> None:
     """Models, policy, drafting, sampling and precision flags of generate and batch."""
+    _add_model_flags(g)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    g.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0, help="same seed, same tokens (with or without a drafter)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); output ends before it")
+
+
+def _add_model_flags(g: argparse.ArgumentParser) -> None:
+    """Models, policy, drafting and precision flags of generate, batch and serve."""
     g.add_argument("--target", help=f"target model folder or embedded name (default: {DEFAULT_TARGET})")
     g.add_argument("--drafter", help="drafter folder or embedded name, AR or block diffusion "
                                      f"(default with the embedded target: {DEFAULT_DRAFTER})")
@@ -228,12 +259,6 @@ def _add_generation_flags(g: argparse.ArgumentParser) -> None:
                    help="block-diffusion pass: prefix (the active sub-block against cached K/V of what precedes "
                         "it; default), sub-block (Fast-dLLM v2's block cache) or full-block (exact)")
     g.add_argument("--sub-block", type=int, help="block-diffusion sub-block size (default: the drafter's config)")
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    g.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0, help="same seed, same tokens (with or without a drafter)")
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); output ends before it")
     g.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
                    help="auto: float32 on CPUs, bfloat16 on CUDA (README, \"Precision\")")
     g.add_argument("--drafter-dtype", choices=sorted(DTYPES),
@@ -263,6 +288,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rows decoded together, one target forward per round for all of them")
     _add_generation_flags(bt)
     bt.set_defaults(func=cmd_batch)
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming)")
+    _add_model_flags(sv)
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1 (default: $FAILFAST_API_KEY if set)")
+    sv.add_argument("--served-model-name", help="the model id clients send (default: the target folder's name)")
+    sv.add_argument("--max-batch", type=int, default=BATCH_SIZE_DEFAULT, help="requests decoded together")
+    sv.add_argument("--max-queue", type=int, default=64, help="waiting requests beyond which new ones get 429")
+    sv.add_argument("--max-tokens", type=int, help="most new tokens one request may ask for (default: the context)")
+    sv.add_argument("--threads", type=int, help="torch CPU threads")
+    sv.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="embedded models: complete a prompt, print FailFast's speedup over plain AR")
     d.add_argument("--prompt", default="def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")

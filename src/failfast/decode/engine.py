@@ -160,29 +160,25 @@ class SpeculativeEngine:
             self.check_request(request)
         if not requests:
             return
-        if self._policy_factory is not None and self.drafter is not None:
-            self.policy, self._policy_factory = self._policy_factory(self.target, self.drafter,
-                                                                     requests[0].prompt_ids), None
         slots = max(1, min(batch_size or len(requests), len(requests)))
-        longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
-        # a batched round pads short drafts up to the longest; pad positions need room too
-        capacity = longest + (max(r.max_new_tokens for r in requests) if slots > 1 else 0)
-        cache = self.target.model.new_cache(capacity, batch=slots)
-        drafters = [self.drafter] + [copy.copy(self.drafter) for _ in range(slots - 1)]
-        # drafters that batch their passes share one cache, a row per slot (room for padding too)
-        shared = (self.drafter.model.new_cache(capacity + 1 + self.drafter.batch_width, batch=slots)
-                  if slots > 1 and getattr(self.drafter, "batchable", False) else None)
+        batch = self.open_batch(slots, max(len(r.prompt_ids) + r.max_new_tokens for r in requests),
+                                max(r.max_new_tokens for r in requests))
         waiting = deque(enumerate(requests))
-        active: dict[int, _Sequence] = {}
-        while waiting or active:
-            for slot in range(slots):
-                if slot not in active and waiting:
-                    active[slot] = self._start(*waiting.popleft(), drafters[slot], cache.row(slot),
-                                               shared.row(slot) if shared is not None else None)
-            self._round(active, cache, slots, drafters, shared)
-            for slot in [s for s, seq in active.items() if seq.finished]:
-                seq = active.pop(slot)
-                yield seq.index, seq.result(self.target.tokenizer)
+        while waiting or batch.running:
+            while waiting and batch.free_slots:
+                batch.add(*waiting.popleft())
+            yield from batch.step()
+
+    def open_batch(self, slots: int, max_total: int, max_new_tokens: int) -> "DecodeBatch":
+        """A batch of `slots` rows that requests join and leave between rounds (continuous
+        batching): `generate_many` and the server drive one. A joining request may need up
+        to `max_total` positions (prompt + new tokens) and `max_new_tokens` new tokens."""
+        return DecodeBatch(self, slots, max_total, max_new_tokens)
+
+    def _ensure_policy(self, prompt_ids: list[int]) -> None:
+        """Build a policy factory's policy on the first request (it may time the models on it)."""
+        if self._policy_factory is not None and self.drafter is not None:
+            self.policy, self._policy_factory = self._policy_factory(self.target, self.drafter, prompt_ids), None
 
     def _start(self, index: int, request: GenerationRequest, drafter: Drafter | None,
                cache: KVCache, drafter_cache: KVCache | None) -> _Sequence:
@@ -281,3 +277,69 @@ class SpeculativeEngine:
             seq.stats.verify_s += verify_s
             seq.stats.record(RoundStats(len(draft), accepted, passes, confs))
             seq.commit((*draft[:accepted], next_token))
+
+
+class DecodeBatch:
+    """Rows decoding together, one target forward per round; requests join a free slot and
+    leave (finished or cancelled) between rounds. Built by `SpeculativeEngine.open_batch`."""
+
+    def __init__(self, engine: SpeculativeEngine, slots: int, max_total: int, max_new_tokens: int) -> None:
+        if slots < 1 or max_new_tokens < 1 or max_total < max_new_tokens:
+            raise GenerationInputError(f"a batch needs >= 1 slot and room for >= 1 new token, got {slots} slots, "
+                                       f"{max_total} positions and {max_new_tokens} new tokens")
+        self.engine = engine
+        self.slots = slots
+        self.max_total = max_total
+        self.max_new_tokens = max_new_tokens
+        # a batched round pads short drafts up to the longest; pad positions need room too
+        capacity = max_total + (max_new_tokens if slots > 1 else 0)
+        self.cache = engine.target.model.new_cache(capacity, batch=slots)
+        drafter = engine.drafter
+        self.drafters = [drafter] + [copy.copy(drafter) for _ in range(slots - 1)]
+        # drafters that batch their passes share one cache, a row per slot (room for padding too)
+        self.shared = (drafter.model.new_cache(capacity + 1 + drafter.batch_width, batch=slots)
+                       if slots > 1 and getattr(drafter, "batchable", False) else None)
+        self.active: dict[int, _Sequence] = {}  # slot -> sequence
+
+    @property
+    def running(self) -> int:
+        return len(self.active)
+
+    @property
+    def free_slots(self) -> int:
+        return self.slots - len(self.active)
+
+    def add(self, index: int, request: GenerationRequest) -> None:
+        """Prefill `request` (known to the caller as `index`) into a free slot; it decodes from
+        the next round on."""
+        self.engine.check_request(request)
+        if not self.free_slots:
+            raise GenerationInputError("the batch has no free slot")
+        if len(request.prompt_ids) + request.max_new_tokens > self.max_total or request.max_new_tokens > self.max_new_tokens:
+            raise GenerationInputError(f"this batch holds at most {self.max_total} positions and {self.max_new_tokens} "
+                                       "new tokens per request")
+        self.engine._ensure_policy(request.prompt_ids)
+        slot = next(s for s in range(self.slots) if s not in self.active)
+        self.active[slot] = self.engine._start(index, request, self.drafters[slot], self.cache.row(slot),
+                                               self.shared.row(slot) if self.shared is not None else None)
+
+    def cancel(self, index: int) -> bool:
+        """Drop the request known as `index` (its slot is free at once); False if not running."""
+        for slot, seq in self.active.items():
+            if seq.index == index:
+                del self.active[slot]
+                return True
+        return False
+
+    def generated(self) -> dict[int, list[int]]:
+        """Each running request's tokens so far, by index (the engine's own lists: read only).
+        A stop string found later can still cut the tail of a list."""
+        return {seq.index: seq.generated for seq in self.active.values()}
+
+    def step(self) -> list[tuple[int, GenerationResult]]:
+        """One round for every running row; (index, result) of the rows that finished in it."""
+        if not self.active:
+            return []
+        self.engine._round(self.active, self.cache, self.slots, self.drafters, self.shared)
+        done = [slot for slot, seq in self.active.items() if seq.finished]
+        return [(seq.index, seq.result(self.engine.target.tokenizer)) for seq in (self.active.pop(s) for s in done)]

@@ -1,0 +1,1 @@
+"""`failfast serve`: the speculative engine behind an OpenAI-compatible HTTP API (docs/design.md, "Server")."""
