@@ -81,3 +81,23 @@ def test_a_long_prompt_joining_a_batch_with_an_ar_drafter(random_models):
     requests = [GenerationRequest(prompt_of(100), 60), GenerationRequest(prompt_of(3), 5),
                 GenerationRequest(prompt_of(150), 20)]
     _check_batches(SpeculativeEngine(target, make_drafter(target, drafter), Fixed(4)), requests)
+
+
+@pytest.mark.parametrize("drafter_name", ["random-ar", "random-dllm"])
+def test_a_cancelled_row_leaves_between_rounds_and_a_new_one_takes_its_slot(random_models, drafter_name):
+    target = load_model(random_models["target"], dtype=torch.float64)
+    drafter = make_drafter(target, load_model(random_models[drafter_name], dtype=torch.float64))
+    engine = SpeculativeEngine(target, drafter, FailFast(tau=0.0, chunk=3, max_draft=20))
+    requests = _requests()
+    batch = engine.open_batch(3, max(len(r.prompt_ids) + r.max_new_tokens for r in requests), 40)
+    for i in (0, 2, 4):
+        batch.add(i, requests[i])
+    finished = dict(batch.step() + batch.step())
+    assert 0 in batch.generated() and batch.cancel(0) and not batch.cancel(0) and batch.free_slots == 1
+    batch.add(6, requests[6])  # joins the slot row 0 left, over that row's stale cache
+    while batch.running:
+        finished.update(batch.step())
+    assert sorted(finished) == [2, 4, 6]
+    for i in (2, 4, 6):
+        r = requests[i]
+        assert finished[i].token_ids == engine.generate(r.prompt_ids, r.max_new_tokens, r.sampling).token_ids
