@@ -127,6 +127,17 @@ def generate_self_distillation(target_dir: Path, data_dir: Path, out: Path, s: S
     todo = [i for i in range(s.shards) if not _shard_path(out, i).is_file()]
     started = time.perf_counter()
     made = 0
+
+    def record() -> dict:
+        """The manifest as of now, written after every shard so that a killed run keeps its time."""
+        wall = time.perf_counter() - started
+        shards = len(_shard_files(out))  # a run that asked for fewer tokens keeps a longer run's shards
+        manifest = {"target": str(target_dir), "settings": asdict(s), "rows": shards * s.shard_rows,
+                    "row_length": s.prompt_len + s.new_tokens, "target_tokens": shards * s.shard_rows * s.new_tokens,
+                    "wall_s": previous["wall_s"] + wall, "tokens_per_s_last_run": made / wall if made else None}
+        manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
+        return manifest
+
     columns = (TextColumn("[bold]self-distillation"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[tps]:.0f} tok/s"), TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns) as bar:
@@ -138,21 +149,10 @@ def generate_self_distillation(target_dir: Path, data_dir: Path, out: Path, s: S
             os.replace(tmp, _shard_path(out, index))  # a shard exists only once it is complete
             made += s.shard_rows * s.new_tokens
             tps = made / (time.perf_counter() - started)
+            record()
             bar.update(task, advance=1, tps=tps)
             log_milestone(bar, done, len(todo), started, f"shards of self-distillation, {tps:.0f} tok/s")
-    wall = time.perf_counter() - started
-    shards = len(_shard_files(out))  # a run that asked for fewer tokens keeps a longer run's shards
-    manifest = {
-        "target": str(target_dir),
-        "settings": asdict(s),
-        "rows": shards * s.shard_rows,
-        "row_length": s.prompt_len + s.new_tokens,
-        "target_tokens": shards * s.shard_rows * s.new_tokens,
-        "wall_s": previous["wall_s"] + wall,
-        "tokens_per_s_last_run": made / wall if made else None,
-    }
-    manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
-    return manifest
+    return record()
 
 
 def load_rows(folder: Path) -> Tensor:
