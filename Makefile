@@ -32,11 +32,13 @@ clean:
 RUNS ?= runs
 TRAIN := $(VENV)/bin/failfast train
 COMMON := --data $(RUNS)/data --batch-size 16 --seq-len 256 --resume
-SD_TOKENS ?= 10000000
-# Drafters continued on self-distillation rows (AR: the run of 2026-12-03; diffusion: planned,
-# uniform masks, the A/B winner on 1.2M tokens of rows).
-AR_SD_FLAGS := --steps 2000 --lr 1e-3 --warmup 50
-DLLM_SD_FLAGS := --steps 2000 --lr 1e-3 --warmup 50 --block-size 32 --sub-block-size 8
+# Self-distillation rows: 37 shards (3.6M target tokens) generated 2026-12-04 and committed in
+# training/selfdistill/; asking for more tokens adds shards (the goal is >= 10M).
+SD_TOKENS ?= 3637248
+# Drafters continued on self-distillation rows (the runs of 2026-12-04; diffusion with uniform
+# masks, the A/B winner on 1.2M tokens of rows).
+AR_SD_FLAGS := --steps 1000 --lr 1e-3 --warmup 50 --save-every 50
+DLLM_SD_FLAGS := --steps 1000 --lr 1e-3 --warmup 50 --save-every 50 --block-size 32 --sub-block-size 8
 # A stage that spans sessions resumes from its committed 16-bit resume point when runs/ is gone.
 RESUME_POINT = $(if $(wildcard training/$(1)/state.json),--resume-from training/$(1))
 
@@ -66,7 +68,10 @@ $(RUNS)/target-v2/training.json: $(RUNS)/target/training.json
 	$(TRAIN) ar --init $(RUNS)/target --out $(RUNS)/target-v2 --steps 2350 --lr 1e-3 --warmup 50 --save-every 50 $(call RESUME_POINT,target-v2) $(COMMON)
 
 # The manifest is written when generation starts; the stamp only when it completed.
+# Committed shards are copied in first (never over existing ones), so only missing shards are made.
 $(RUNS)/selfdistill/.complete: $(RUNS)/target-v2/training.json
+	mkdir -p $(RUNS)/selfdistill
+	$(if $(wildcard training/selfdistill/manifest.json),cp -n training/selfdistill/* $(RUNS)/selfdistill/)
 	$(TRAIN) selfdistill --target $(RUNS)/target-v2 --data $(RUNS)/data --out $(RUNS)/selfdistill --tokens $(SD_TOKENS) --batch-size 128
 	touch $@
 
