@@ -70,6 +70,7 @@ def default_methods() -> list[MethodSpec]:
         MethodSpec("failfast-Nmax30", "dllm-drafter", FailFast(max_draft=30)),
         MethodSpec("failfast-u0.3", "dllm-drafter", ff, unmask_threshold=0.3),
         MethodSpec("failfast-u0.05", "dllm-drafter", ff, unmask_threshold=0.05),  # the paper's threshold
+        MethodSpec("failfast-u0.9", "dllm-drafter", ff, unmask_threshold=0.9),  # several passes per sub-block
         MethodSpec("failfast-full-block", "dllm-drafter", ff, denoise="full-block"),
         MethodSpec("failfast-sub-block", "dllm-drafter", ff, denoise="sub-block"),  # Fast-dLLM v2's block cache
         MethodSpec("failfast-s4", "dllm-drafter", ff, sub_block_size=4),
