@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from failfast import load_model
+from failfast.drafters.factory import DRAFT_VOCAB_FILE
 from failfast.model.checkpoint import save_model
 from failfast.embedded import CORPUS_MANIFEST, MODELS_DIR
 
@@ -140,6 +141,9 @@ def main() -> None:
             loaded = load_model(source)
             save_model(loaded.model, dest, dtype=torch.float16, tokenizer=loaded.tokenizer,
                        max_shard_bytes=SHARD_BYTES)
+            vocab = source / DRAFT_VOCAB_FILE
+            if vocab.is_file():  # the drafter's reduced vocabulary travels with its weights
+                (dest / DRAFT_VOCAB_FILE).write_text(vocab.read_text())
         (dest / "README.md").write_text(text)
         print(f"shipped {source} -> {dest}")
 

@@ -59,6 +59,7 @@ def _load_pipeline(args: argparse.Namespace) -> Pipeline:
     policy = _policy(args)
     return Pipeline.load(args.target, args.drafter if policy else None, policy,
                          unmask_threshold=args.unmask_threshold, denoise=args.denoise, sub_block_size=args.sub_block,
+                         full_vocab=args.full_draft_vocab,
                          dtype=resolve_dtype(args.dtype, args.device),
                          drafter_dtype=DTYPES[args.drafter_dtype] if args.drafter_dtype else None, device=args.device)
 
@@ -191,6 +192,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     if args.stage == "selfdistill":
         return _self_distill(args)
+    if args.stage == "draft-vocab":
+        return _draft_vocab(args)
     settings = TrainSettings(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                              warmup=min(args.warmup, max(args.steps // 10, 1)), seed=args.seed,
                              save_every=args.save_every, precision=args.precision, compile=not args.no_compile)
@@ -209,6 +212,17 @@ def cmd_train(args: argparse.Namespace) -> int:
                                       decay_gamma=args.decay_gamma)
     print(f"done: {report['steps']} steps, {report['tokens_seen']} tokens, train loss "
           f"{report['final_train_loss']:.3f}, held-out loss {report['held_out_loss']:.3f} -> {args.out}")
+    return 0
+
+
+def _draft_vocab(args: argparse.Namespace) -> int:
+    from failfast.train.draft_vocab import write_draft_vocab
+
+    if not args.rows:
+        raise GenerationInputError("train draft-vocab needs --rows (a self-distillation folder)")
+    out = write_draft_vocab(Path(args.rows), Path(args.out), args.draft_vocab_size)
+    print(f"done: {out['size']} tokens covering {100 * out['coverage']:.2f}% of {out['target_tokens_counted']} "
+          f"target tokens -> {args.out}/draft_vocab.json")
     return 0
 
 
@@ -259,6 +273,8 @@ def _add_model_flags(g: argparse.ArgumentParser) -> None:
                    help="block-diffusion pass: prefix (the active sub-block against cached K/V of what precedes "
                         "it; default), sub-block (Fast-dLLM v2's block cache) or full-block (exact)")
     g.add_argument("--sub-block", type=int, help="block-diffusion sub-block size (default: the drafter's config)")
+    g.add_argument("--full-draft-vocab", action="store_true",
+                   help="ignore the drafter's draft_vocab.json (its output head over every token)")
     g.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
                    help="auto: float32 on CPUs, bfloat16 on CUDA (README, \"Precision\")")
     g.add_argument("--drafter-dtype", choices=sorted(DTYPES),
@@ -324,10 +340,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
 
     t = sub.add_parser("train", help="train the embedded models (data, ar, diffusion stages)")
-    t.add_argument("stage", choices=["data", "ar", "diffusion", "selfdistill"])
+    t.add_argument("stage", choices=["data", "ar", "diffusion", "selfdistill", "draft-vocab"])
     t.add_argument("--out", required=True, help="output folder")
     t.add_argument("--corpus", help="[data] folder of .py files (default: this Python's stdlib)")
     t.add_argument("--vocab-size", type=int, default=8192, help="[data] BPE vocabulary size")
+    t.add_argument("--draft-vocab-size", type=int, default=2048,
+                   help="[draft-vocab] tokens to keep (the target's most frequent) for the drafter folder --out")
     t.add_argument("--data", help="[ar, diffusion] folder written by the data stage")
     t.add_argument("--size", default="target", help="[ar] target, drafter or tiny")
     t.add_argument("--init", help="[diffusion] AR model folder to convert; [ar] checkpoint to continue "

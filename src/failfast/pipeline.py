@@ -34,8 +34,9 @@ class Pipeline:
     def load(cls, target: str | Path, drafter: str | Path | None = None, policy: Policy | PolicyFactory | None = None, *,
              unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD, denoise: str = DEFAULT_DENOISE, sub_block_size: int | None = None,
              dtype: torch.dtype | None = None, drafter_dtype: torch.dtype | None = None,
-             device: str = "cpu") -> "Pipeline":
-        """`drafter_dtype` (default: `dtype`) never changes the output, only the drafting cost."""
+             device: str = "cpu", full_vocab: bool = False) -> "Pipeline":
+        """`drafter_dtype` (default: `dtype`) and `full_vocab` (ignore the drafter's draft
+        vocabulary) never change the output, only the drafting cost."""
         dtype = dtype or default_dtype(device)  # float32 on CPUs, bfloat16 on CUDA (model/precision.py)
         tgt = load_model(resolve_model(target), dtype=dtype, device=device)
         if drafter is None:
@@ -43,7 +44,7 @@ class Pipeline:
         if policy is None:
             raise GenerationInputError("a drafter needs a policy (Fixed, FailFast or policies.cost_aware())")
         drafter_model = load_model(resolve_model(drafter), dtype=drafter_dtype or dtype, device=device)
-        drf = make_drafter(tgt, drafter_model, unmask_threshold, denoise, sub_block_size)
+        drf = make_drafter(tgt, drafter_model, unmask_threshold, denoise, sub_block_size, full_vocab)
         return cls(tgt, SpeculativeEngine(tgt, drf, policy))
 
     def encode(self, text: str) -> list[int]:

@@ -40,6 +40,7 @@ class MethodSpec:
     sub_block_size: int | None = None  # None: the drafter's config
     schedule: str | None = None    # transformers assisted generation schedule
     drafter_dtype: torch.dtype | None = None  # None: the target's dtype
+    full_vocab: bool = False       # ignore the drafter's draft_vocab.json (the head over every token)
 
     @property
     def is_peer(self) -> bool:
@@ -77,6 +78,8 @@ def default_methods() -> list[MethodSpec]:
         MethodSpec("failfast-s16", "dllm-drafter", ff, sub_block_size=16),
         MethodSpec("failfast-drafter-fp32", "dllm-drafter", ff, drafter_dtype=torch.float32),
         MethodSpec("failfast-cost", "dllm-drafter", cost_aware()),  # costs measured on the first prompt
+        MethodSpec("failfast-full-vocab", "dllm-drafter", ff, full_vocab=True),
+        MethodSpec("ar-fixed-4-full-vocab", "ar-drafter", Fixed(4), full_vocab=True),
         MethodSpec("oracle", "oracle", Fixed(60)),
     ]
 
@@ -128,7 +131,7 @@ class MethodFactory:
         drafter: Drafter | None = None
         if spec.kind in ("ar-drafter", "dllm-drafter"):  # what make_drafter builds for users, from that checkpoint
             drafter = make_drafter(self.target, self._drafter_model(spec.kind.removesuffix("-drafter"), spec.drafter_dtype),
-                                   spec.unmask_threshold, spec.denoise, spec.sub_block_size)
+                                   spec.unmask_threshold, spec.denoise, spec.sub_block_size, spec.full_vocab)
         elif spec.kind == "oracle":
             def run_oracle(prompt: list[int], max_new: int, reference: list[int]) -> MethodOutput:
                 oracle = SpeculativeEngine(self.target, OracleDrafter(len(prompt), reference), spec.policy)

@@ -40,7 +40,8 @@ class ARDrafter(ModelDrafter):
         tokens: list[int] = []
         confs: list[float] = []
         for _ in range(count):
-            logits = self.model(self._tensor(self._pending), self.cache.length, self.cache, logits_at=slice(-1, None))
+            logits = self.model(self._tensor(self._pending), self.cache.length, self.cache, logits_at=slice(-1, None),
+                                head_weight=self.head_weight)
             tok, conf = self._advance(logits[0, -1])
             tokens.append(tok)
             confs.append(conf)
@@ -65,7 +66,8 @@ class ARDrafter(ModelDrafter):
         for slot in wanted:
             tokens[slot][:len(drafters[slot]._pending)] = drafters[slot]._pending
         model = drafters[wanted[0]].model
-        logits = model.forward_rows(torch.tensor(tokens, device=model.device), [d.cache.length for d in drafters], shared)
+        logits = model.forward_rows(torch.tensor(tokens, device=model.device), [d.cache.length for d in drafters], shared,
+                                    head_weight=drafters[wanted[0]].head_weight)
         for slot in wanted:
             d = drafters[slot]
             d.cache.length += len(d._pending)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 from torch import Tensor
 
-from failfast.errors import GenerationInputError
+from failfast.errors import GenerationInputError, IncompatibleModelsError
 from failfast.model import LoadedModel
 from failfast.model.kv_cache import KVCache
 
@@ -41,11 +41,22 @@ class ModelDrafter:
     """Shared state of drafters that run one of our transformers: model, cache and the
     token ids whose K/V the cache holds (so verified prefixes are reused across rounds)."""
 
-    def __init__(self, loaded: LoadedModel, vocab_limit: int, banned: tuple[int, ...] = ()) -> None:
+    def __init__(self, loaded: LoadedModel, vocab_limit: int, banned: tuple[int, ...] = (),
+                 draft_vocab: Sequence[int] | None = None) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.vocab_limit = vocab_limit
         self.banned = [t for t in banned if t < vocab_limit]
+        # A reduced draft vocabulary (docs/design.md, "Draft vocabulary"): the output head runs
+        # over these rows only, and drafts can hold only these tokens.
+        self.vocab_ids: Tensor | None = None
+        self.head_weight: Tensor | None = None
+        if draft_vocab is not None:
+            ids = sorted({t for t in draft_vocab if 0 <= t < vocab_limit} - set(self.banned))
+            if not ids:
+                raise IncompatibleModelsError("the draft vocabulary holds none of the target's tokens")
+            self.vocab_ids = torch.tensor(ids, device=self.model.device)
+            self.head_weight = self.model.lm_head.weight.detach()[self.vocab_ids].contiguous()
         self.forwards = 0
         self.cache = self.model.new_cache(1)
         self.cache_ids: list[int] = []
@@ -67,7 +78,11 @@ class ModelDrafter:
         del self.cache_ids[length:]
 
     def pick(self, logits: Tensor) -> tuple[Tensor, Tensor]:
-        """Greedy choice and its probability over the target's vocabulary ([..., V] -> [...])."""
+        """Greedy choice and its probability over the target's vocabulary ([..., V] -> [...]),
+        or over the draft vocabulary (logits from `head_weight`)."""
+        if self.vocab_ids is not None:
+            conf, index = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+            return self.vocab_ids[index], conf
         logits = logits[..., : self.vocab_limit].float()
         if self.banned:
             logits = logits.clone()

@@ -18,6 +18,8 @@ are approximations for drafting, which verification makes harmless.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import Tensor
 
@@ -37,7 +39,8 @@ DEFAULT_UNMASK_THRESHOLD = 0.0
 
 class BlockDiffusionDrafter(ModelDrafter):
     def __init__(self, loaded: LoadedModel, vocab_limit: int, unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD,
-                 denoise: str = DEFAULT_DENOISE, sub_block_size: int | None = None) -> None:
+                 denoise: str = DEFAULT_DENOISE, sub_block_size: int | None = None,
+                 draft_vocab: Sequence[int] | None = None) -> None:
         cfg = loaded.config
         if cfg.mask_token_id is None or cfg.block_size is None:
             raise IncompatibleModelsError(
@@ -50,7 +53,7 @@ class BlockDiffusionDrafter(ModelDrafter):
         sub = sub_block_size or cfg.sub_block_size or cfg.block_size
         if not 1 <= sub <= cfg.block_size or cfg.block_size % sub:
             raise PolicyError(f"sub-block size must divide the block size {cfg.block_size}, got {sub}")
-        super().__init__(loaded, vocab_limit, banned=(cfg.mask_token_id,))
+        super().__init__(loaded, vocab_limit, banned=(cfg.mask_token_id,), draft_vocab=draft_vocab)
         self.mask_id = cfg.mask_token_id
         self.block_size = cfg.block_size
         self.sub_block_size = sub
@@ -97,7 +100,7 @@ class BlockDiffusionDrafter(ModelDrafter):
         """Forward complete, known blocks into the cache; keep the boundary logits."""
         start = self.cache.length
         logits = self.model(self._tensor(tokens), start, self.cache, block_size=self.block_size,
-                            logits_at=slice(-1, None))
+                            logits_at=slice(-1, None), head_weight=self.head_weight)
         self.cache_ids.extend(tokens)
         self.boundary = logits[0, -1]
         self.forwards += 1
@@ -115,7 +118,8 @@ class BlockDiffusionDrafter(ModelDrafter):
             base = self.cache.length
             logits = self.model(self._tensor(self.block[lo:hi]), base + lo, self.cache, block_size=self.block_size,
                                 commit=False, logits_at=[j - 1 - lo for j in masked],  # token shift
-                                context_end=base + (hi if self.denoise == "prefix" else self.block_size))
+                                context_end=base + (hi if self.denoise == "prefix" else self.block_size),
+                                head_weight=self.head_weight)
             self.scratch_ids[lo:hi] = self.block[lo:hi]
             self.forwards += 1
             tok, conf = self.pick(logits[0])

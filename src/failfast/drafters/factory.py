@@ -3,11 +3,16 @@ drafter from the same checkpoint."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from failfast.drafters.autoregressive import ARDrafter
 from failfast.drafters.base import Drafter
 from failfast.drafters.block_diffusion import DEFAULT_DENOISE, DEFAULT_UNMASK_THRESHOLD, BlockDiffusionDrafter
-from failfast.errors import IncompatibleModelsError
+from failfast.errors import CheckpointError, IncompatibleModelsError
 from failfast.model import LoadedModel
+
+DRAFT_VOCAB_FILE = "draft_vocab.json"
 
 
 def check_vocabularies(target: LoadedModel, drafter: LoadedModel) -> None:
@@ -30,12 +35,30 @@ def check_vocabularies(target: LoadedModel, drafter: LoadedModel) -> None:
             f"{target.config.vocab_size}")
 
 
+def load_draft_vocab(folder: Path) -> list[int] | None:
+    """The token ids of a checkpoint's `draft_vocab.json` (written by `failfast train
+    draft-vocab`), or None when it has none."""
+    path = Path(folder) / DRAFT_VOCAB_FILE
+    if not path.is_file():
+        return None
+    try:
+        ids = json.loads(path.read_text())["ids"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path} is not a draft vocabulary ({exc})") from None
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        raise CheckpointError(f"{path}: ids must be a list of token ids")
+    return ids
+
+
 def make_drafter(target: LoadedModel, drafter: LoadedModel, unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD,
-                 denoise: str = DEFAULT_DENOISE, sub_block_size: int | None = None) -> Drafter:
+                 denoise: str = DEFAULT_DENOISE, sub_block_size: int | None = None,
+                 full_vocab: bool = False) -> Drafter:
     """A block-diffusion drafter if the checkpoint is one, else an autoregressive drafter
-    (`unmask_threshold`, `denoise` and `sub_block_size` only apply to block diffusion)."""
+    (`unmask_threshold`, `denoise` and `sub_block_size` only apply to block diffusion).
+    A checkpoint's draft vocabulary is used unless `full_vocab`."""
     check_vocabularies(target, drafter)
     limit = min(target.config.vocab_size, drafter.config.vocab_size)
+    vocab = None if full_vocab else load_draft_vocab(drafter.path)
     if drafter.config.is_block_diffusion or drafter.config.mask_token_id is not None:
-        return BlockDiffusionDrafter(drafter, limit, unmask_threshold, denoise, sub_block_size)
-    return ARDrafter(drafter, limit)
+        return BlockDiffusionDrafter(drafter, limit, unmask_threshold, denoise, sub_block_size, vocab)
+    return ARDrafter(drafter, limit, draft_vocab=vocab)

@@ -182,13 +182,15 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: Tensor, start: int, cache: KVCache, *, block_size: int | None = None,
                 commit: bool = True, logits_at: slice | list[int] | None = None,
-                context_end: int | None = None) -> Tensor:
+                context_end: int | None = None, head_weight: Tensor | None = None) -> Tensor:
         """Logits for `tokens` [B, T] at positions start..start+T-1, attending to the cache.
 
         The cache must hold exactly positions [0, start). With `commit` the new K/V count as
         cached afterwards; without it they are scratch (a diffusion denoising pass).
         `logits_at` selects the positions (indices into T) that need logits: the output head
         is the costliest layer of a small model, so drafters ask only for what they read.
+        `head_weight` [V', hidden] replaces the output head's rows (a drafter's reduced
+        vocabulary: logits over V' tokens).
 
         A scratch pass may also start past `cache.length` and attend up to `context_end`:
         positions [cache.length, context_end) outside its own tokens then contribute the
@@ -205,12 +207,16 @@ class Transformer(nn.Module):
         if t > 1 or block_size is not None or end > start + t:
             mask = attention_mask(positions, torch.arange(end, device=tokens.device), block_size)
         hidden = self._hidden(tokens, positions, mask, cache, start, context_end)
-        logits = self.lm_head(hidden if logits_at is None else hidden[:, logits_at])
+        logits = self._head(hidden if logits_at is None else hidden[:, logits_at], head_weight)
         if commit:
             cache.length = start + t
         return logits
 
-    def forward_rows(self, tokens: Tensor, starts: list[int], cache: KVCache) -> Tensor:
+    def _head(self, hidden: Tensor, head_weight: Tensor | None) -> Tensor:
+        return self.lm_head(hidden) if head_weight is None else F.linear(hidden, head_weight)
+
+    def forward_rows(self, tokens: Tensor, starts: list[int], cache: KVCache,
+                     head_weight: Tensor | None = None) -> Tensor:
         """Causal logits [B, T, V] for row b's tokens at positions starts[b]..starts[b]+T-1,
         each row attending to its own cache row (a batch's verification forward, ragged).
 
@@ -225,7 +231,7 @@ class Transformer(nn.Module):
             raise ValueError(f"positions up to {end} exceed the cache capacity {cache.capacity}")
         positions = torch.tensor(starts, device=tokens.device)[:, None] + torch.arange(t, device=tokens.device)
         mask = (torch.arange(end, device=tokens.device) <= positions[:, :, None])[:, None]  # [B, 1, T, end]
-        return self.lm_head(self._hidden(tokens, positions, mask, cache, positions, end))
+        return self._head(self._hidden(tokens, positions, mask, cache, positions, end), head_weight)
 
     def hidden_masked(self, tokens: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
         """Final hidden states of a cache-free forward with an explicit [T, T] attention mask.
