@@ -39,6 +39,9 @@ SD_TOKENS ?= 3637248
 # masks, the A/B winner on 1.2M tokens of rows).
 AR_SD_FLAGS := --steps 1000 --lr 1e-3 --warmup 50 --save-every 50
 DLLM_SD_FLAGS := --steps 1000 --lr 1e-3 --warmup 50 --save-every 50 --block-size 32 --sub-block-size 8
+# Each drafter's reduced output head: the target's 2048 most frequent tokens (96% of what it
+# writes; README "Draft vocabulary").
+DRAFT_VOCAB := 2048
 # A stage that spans sessions resumes from its committed 16-bit resume point when runs/ is gone.
 RESUME_POINT = $(if $(wildcard training/$(1)/state.json),--resume-from training/$(1))
 
@@ -77,9 +80,11 @@ $(RUNS)/selfdistill/.complete: $(RUNS)/target-v2/training.json
 
 $(RUNS)/drafter-ar-sd/training.json: $(RUNS)/drafter-ar/training.json $(RUNS)/selfdistill/.complete
 	$(TRAIN) ar --init $(RUNS)/drafter-ar --rows $(RUNS)/selfdistill --out $(RUNS)/drafter-ar-sd $(AR_SD_FLAGS) $(COMMON)
+	$(TRAIN) draft-vocab --rows $(RUNS)/selfdistill --out $(RUNS)/drafter-ar-sd --draft-vocab-size $(DRAFT_VOCAB)
 
 $(RUNS)/drafter-dllm-sd/training.json: $(RUNS)/drafter-dllm-long/training.json $(RUNS)/selfdistill/.complete
 	$(TRAIN) diffusion --init $(RUNS)/drafter-dllm-long --rows $(RUNS)/selfdistill --out $(RUNS)/drafter-dllm-sd $(DLLM_SD_FLAGS) $(COMMON)
+	$(TRAIN) draft-vocab --rows $(RUNS)/selfdistill --out $(RUNS)/drafter-dllm-sd --draft-vocab-size $(DRAFT_VOCAB)
 
 # Copy the trained models into the package with model cards (after `make models`).
 ship-models: venv
