@@ -53,9 +53,16 @@ def stage_row(name: str, stage: str, run: Path) -> str | None:
         f"| {stage} | {report['steps']} steps x batch {s['batch_size']} x {s['seq_len']} tokens = "
         f"{report['tokens_seen']:,} tokens; AdamW, peak lr {s['lr']}, warm-up {s['warmup']}, cosine, seed {s['seed']}"
         f"{objective}; final train loss {report['final_train_loss']:.3f} (mean of the last 20 steps), held-out loss "
-        f"{report['held_out_loss']:.3f}; {report['wall_s_this_run'] / 60:.1f} min on a 2-core CPU "
-        "(the last run, if the stage was resumed) |"
+        f"{report['held_out_loss']:.3f}; {_wall(report)} on a 2-core CPU |"
     )
+
+
+def _wall(report: dict) -> str:
+    """Training time of a stage, over all the pieces it ran in when it was resumed."""
+    total, last = report.get("wall_s_total", report["wall_s_this_run"]), report["wall_s_this_run"]
+    if total - last < 1:
+        return f"{total / 60:.1f} min"
+    return f"{total / 60:.1f} min in all ({last / 60:.1f} min in the last piece)"
 
 
 def shipped_row(name: str, stage: str) -> str | None:
