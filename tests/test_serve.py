@@ -248,3 +248,22 @@ def test_chat_template_from_tokenizer_config_renders_like_transformers(tmp_path)
     assert ChatTemplate.for_model(tmp_path).render(messages) == hf.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True)
     assert ChatTemplate.for_model(tmp_path / "none").source == PLAIN_TEMPLATE
+
+
+def test_a_failing_round_fails_its_requests_cleanly_and_the_server_goes_on(models):
+    with _Server(models) as s:
+        engine = s.app.state.scheduler.engine
+        real_round, calls = engine._round, []
+
+        def broken_once(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("injected failure")
+            return real_round(*args, **kwargs)
+
+        engine._round = broken_once
+        failed = httpx.post(s.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5}, timeout=30)
+        assert failed.status_code == 500 and "Traceback" not in failed.text and "injected" not in failed.text
+        assert failed.json()["error"]["type"] == "internal_error"
+        ok = s.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0)
+        assert ok.usage.completion_tokens == 5
