@@ -22,7 +22,8 @@ from failfast.pipeline import Pipeline
 from failfast.serve.app import ServerSettings, create_app
 from failfast.serve.chat import PLAIN_TEMPLATE, ChatTemplate
 from failfast.serve.streaming import TextStream
-from tests.helpers import tiny_config, write_model, write_word_tokenizer
+from failfast.errors import FailfastError
+from tests.helpers import copy_checkpoint, set_eos, tiny_config, write_model, write_word_tokenizer
 from tests.synthetic import BLOCK
 
 MODEL = "tiny"
@@ -186,8 +187,12 @@ def test_bad_requests_get_openai_errors(server):
         client.completions.create(model="gpt-4", prompt=PROMPT)
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model=MODEL, messages=[])
-    raw = httpx.post(server.url + "/v1/completions", content=b"{not json", timeout=10)
-    assert raw.status_code == 400 and "not valid JSON" in raw.json()["error"]["message"]
+    for body in (b"{not json", b"[" * 100_000):  # the second nests too deep for the parser
+        raw = httpx.post(server.url + "/v1/completions", content=body, timeout=10)
+        assert raw.status_code == 400 and "not valid JSON" in raw.json()["error"]["message"]
+    for field in ('"prompt": "\\ud800"', '"prompt": "<5>", "stop": "\\udfff"'):  # lone surrogates
+        raw = httpx.post(server.url + "/v1/completions", content=("{" + field + "}").encode(), timeout=10)
+        assert raw.status_code == 400 and "not valid Unicode" in raw.json()["error"]["message"], field
     big = httpx.post(server.url + "/v1/completions", content=b" " * (2 << 20), timeout=10)
     assert big.status_code == 413 and big.json()["error"]["type"] == "invalid_request_error"
     assert httpx.get(server.url + "/v1/nothing").status_code == 404
@@ -267,3 +272,33 @@ def test_a_failing_round_fails_its_requests_cleanly_and_the_server_goes_on(model
         assert failed.json()["error"]["type"] == "internal_error"
         ok = s.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0)
         assert ok.usage.completion_tokens == 5
+
+
+def test_an_end_of_sequence_token_ends_the_text_without_its_own_text(models, reference, tmp_path):
+    eos = reference.generate(PROMPT, 10).token_ids[4]
+    target = copy_checkpoint(models[0], tmp_path / "target")
+    set_eos(target, eos)
+    with _Server((target, models[1])) as s:
+        out = s.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0)
+        chunks = list(s.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0,
+                                                    stream=True))
+    ids = out.failfast["token_ids"]
+    assert out.failfast["stop_reason"] == "eos" and ids[-1] == eos and out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == reference.target.tokenizer.decode(ids[:-1])
+    assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
+
+
+def test_the_server_refuses_an_empty_queue(models):
+    with pytest.raises(FailfastError, match="queue place"):
+        create_app(_pipeline(models), ServerSettings(MODEL, max_queue=0))
+
+
+def test_a_scheduler_that_cannot_build_a_batch_answers_503_and_health_says_so(models):
+    with _Server(models) as s:
+        scheduler = s.app.state.scheduler
+        scheduler.engine.open_batch = lambda *args: (_ for _ in ()).throw(MemoryError("no room"))
+        failed = httpx.post(s.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5}, timeout=30)
+        assert failed.status_code == 500  # the request that found the scheduler unable to run
+        assert httpx.get(s.url + "/health").status_code == 503
+        refused = httpx.post(s.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5}, timeout=30)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"

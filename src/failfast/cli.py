@@ -106,8 +106,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise GenerationInputError(f"failfast serve needs the serve extra: pip install 'failfast[serve]' ({exc})") from None
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.max_batch < 1 or args.max_queue < 0 or (args.max_tokens is not None and args.max_tokens < 1):
-        raise GenerationInputError("--max-batch and --max-tokens must be >= 1, --max-queue >= 0")
+    if min(args.max_batch, args.max_queue) < 1 or (args.max_tokens is not None and args.max_tokens < 1):
+        raise GenerationInputError("--max-batch, --max-queue and --max-tokens must be >= 1")
     pipe = _load_pipeline(args)
     name = args.served_model_name or (f"failfast-{args.target}" if args.target in EMBEDDED else Path(args.target).name)
     settings = ServerSettings(name, args.api_key or os.environ.get("FAILFAST_API_KEY") or None, args.max_batch,

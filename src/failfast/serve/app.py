@@ -28,7 +28,7 @@ from failfast.serve import protocol
 from failfast.serve.chat import ChatTemplate
 from failfast.serve.metrics import ServerMetrics
 from failfast.serve.protocol import BadRequest, Limits, ParsedRequest, ResponseIds
-from failfast.serve.scheduler import Job, QueueFull, Scheduler
+from failfast.serve.scheduler import Job, QueueFull, Scheduler, Unavailable
 
 log = logging.getLogger("failfast.serve")
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
@@ -71,7 +71,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         scheduler.start()
         yield
-        scheduler.stop()
+        await asyncio.to_thread(scheduler.stop)  # the last round finishes off the event loop
 
     app = FastAPI(title="failfast", lifespan=lifespan)
     app.state.scheduler = scheduler
@@ -81,7 +81,8 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(BadRequest)
     async def refused(request: Request, exc: BadRequest) -> Response:
-        return JSONResponse(exc.body(), status_code=exc.status, headers={"Retry-After": "1"} if exc.status == 429 else None)
+        retry = {"Retry-After": "1"} if exc.status in (429, 503) else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=retry)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -90,6 +91,9 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
     @app.exception_handler(Exception)
     async def crashed(request: Request, exc: Exception) -> Response:  # a bug: logged, never shown
         log.error("request %s failed", request.url.path, exc_info=exc)
+        # Starlette sends this response outside the counting middleware, so count it here
+        path = request.url.path
+        metrics.requests.labels(path if path in KNOWN_PATHS else "other", "500").inc()
         return JSONResponse(protocol.error_body("internal server error", "internal_error"), status_code=500)
 
     async def authorized(request: Request) -> None:
@@ -109,8 +113,8 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
                 raise BadRequest(f"the request body exceeds {settings.max_body_bytes} bytes", status=413)
         try:
             return json.loads(body)
-        except ValueError as exc:
-            raise BadRequest(f"the request body is not valid JSON ({exc})") from None
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
+            raise BadRequest(f"the request body is not valid JSON ({type(exc).__name__}: {exc})") from None
 
     def check_model(body: Any) -> None:
         name = body.get("model") if isinstance(body, dict) else None
@@ -128,6 +132,8 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
             scheduler.submit(job)
         except QueueFull as exc:
             raise BadRequest(str(exc), status=429, kind="rate_limit_error", code="queue_full") from None
+        except Unavailable as exc:
+            raise BadRequest(str(exc), status=503, kind="service_unavailable") from None
         except FailfastError as exc:
             raise BadRequest(str(exc)) from None
         ids = ResponseIds(chat, settings.model_name)
@@ -206,8 +212,10 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
     app.include_router(v1)
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> Response:
+        if not scheduler.healthy:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics_text() -> Response:

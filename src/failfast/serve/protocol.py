@@ -65,6 +65,15 @@ class ParsedRequest:
     include_usage: bool
 
 
+def _text(value: str, name: str) -> str:
+    """A string that is valid Unicode text (JSON escapes can carry lone surrogates)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest(f"{name} is not valid Unicode text (a lone surrogate?)", name) from None
+    return value
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -105,7 +114,7 @@ def _stops(body: dict) -> tuple[str, ...]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS:
         raise BadRequest(f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them", "stop")
-    return tuple(stops)
+    return tuple(_text(s, "stop") for s in stops)
 
 
 def _common(body: dict, prompt_ids: list[int], limits: Limits, default_max: int,
@@ -147,7 +156,7 @@ def parse_completion(body: Any, encode: Callable[[str], list[int]], vocab_size: 
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one prompt
     if isinstance(prompt, str):
-        ids = encode(prompt)
+        ids = encode(_text(prompt, "prompt"))
     elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
         if any(not 0 <= t < vocab_size for t in prompt):
             raise BadRequest(f"prompt token ids must be in [0, {vocab_size})", "prompt")
@@ -174,7 +183,7 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise BadRequest("a message's content must be a string or a list of text parts", "messages")
-        out.append({"role": m["role"], "content": content})
+        out.append({"role": _text(m["role"], "messages"), "content": _text(content, "messages")})
     return out
 
 

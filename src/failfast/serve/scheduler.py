@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -27,6 +27,10 @@ log = logging.getLogger("failfast.serve")
 
 class QueueFull(FailfastError):
     """The server's queue of waiting requests is full; retry later."""
+
+
+class Unavailable(FailfastError):
+    """The scheduler is shutting down or has stopped after a fatal error."""
 
 
 @dataclass
@@ -46,6 +50,8 @@ class Job:
 class Scheduler:
     def __init__(self, engine: SpeculativeEngine, max_batch: int, max_queue: int, max_total: int,
                  max_new_tokens: int, on_round: Callable[[int, int], None] = lambda running, waiting: None) -> None:
+        if max_batch < 1 or max_queue < 1:
+            raise FailfastError(f"the server needs >= 1 batch slot and queue place, got {max_batch} and {max_queue}")
         self.engine = engine
         self.max_batch = max_batch
         self.max_queue = max_queue
@@ -58,6 +64,7 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="failfast-scheduler", daemon=True)
         self._decode = engine.target.tokenizer.decode if engine.target.tokenizer else lambda ids: ""
         self._jobs: dict[int, Job] = {}  # id(job) -> job, for the rows in the batch
+        self.broken: Exception | None = None  # why the thread stopped serving, if it did
         self.freed_rows = 0  # rows given up by cancelled jobs before they finished
 
     def start(self) -> None:
@@ -82,6 +89,8 @@ class Scheduler:
         self.engine.check_request(job.request)
         job.stream = TextStream(self._decode, job.request.stop)
         with self._wake:
+            if self._stopping or self.broken is not None:
+                raise Unavailable("the server is not serving (see its log)")
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting; retry later")
             self._waiting.append(job)
@@ -96,57 +105,97 @@ class Scheduler:
 
     def _run(self) -> None:
         with torch.inference_mode():
-            batch = self._new_batch()
-            jobs = self._jobs
+            batch: DecodeBatch | None = None
             while True:
                 with self._wake:
-                    while not self._stopping and not self._waiting and not jobs:
+                    while not self._stopping and not self._waiting and not self._jobs:
                         self._wake.wait()
                     if self._stopping:
-                        return
-                    joining = [self._waiting.popleft() for _ in range(min(batch.free_slots, len(self._waiting)))]
-                for key in [k for k, job in jobs.items() if job.cancelled]:
-                    batch.cancel(key)
-                    del jobs[key]
-                    self.freed_rows += 1
-                for job in joining:
-                    self._join(batch, jobs, job)
+                        break
                 try:
-                    finished = batch.step()
-                except Exception as exc:  # a bug in a round: fail this batch, keep serving
-                    log.exception("a decoding round failed; failing its %d requests", len(jobs))
-                    for job in jobs.values():
-                        job.on_error(exc)
-                    jobs.clear()
-                    batch = self._new_batch()
-                    continue
-                self._publish(batch, jobs, finished)
-                self.on_round(batch.running, len(self._waiting))
+                    batch = batch or self._new_batch()
+                except Exception as exc:  # no batch can be built (e.g. out of memory): stop serving
+                    log.exception("cannot allocate a batch; the scheduler stops")
+                    self.broken = exc
+                    break
+                try:
+                    self._round(batch)
+                except Exception as exc:  # a bug or an exhausted device in a round: fail this batch, go on
+                    log.exception("a decoding round failed; failing its %d requests", len(self._jobs))
+                    self._fail(list(self._jobs.values()), exc)
+                    self._jobs.clear()
+                    batch = None  # released before the next one is allocated
+        with self._wake:
+            left, self._waiting = list(self._jobs.values()) + list(self._waiting), deque()
+        self._fail(left, self.broken or FailfastError("the server is shutting down"))
+
+    @property
+    def healthy(self) -> bool:
+        return self.broken is None and self._thread.is_alive()
+
+    def _round(self, batch: DecodeBatch) -> None:
+        """Drop cancelled rows, fill free slots from the queue, decode one round, publish."""
+        for key in [k for k, job in self._jobs.items() if job.cancelled]:
+            batch.cancel(key)
+            del self._jobs[key]
+            self.freed_rows += 1
+        with self._wake:
+            joining = [self._waiting.popleft() for _ in range(min(batch.free_slots, len(self._waiting)))]
+        for job in joining:
+            self._join(batch, job)
+        finished = batch.step()
+        self._publish(batch, finished)
+        self.on_round(batch.running, len(self._waiting))
+
+    @staticmethod
+    def _fail(jobs: list[Job], exc: Exception) -> None:
+        for job in jobs:
+            if not job.cancelled:
+                job.on_error(exc)
 
     def _new_batch(self) -> DecodeBatch:
         return self.engine.open_batch(self.max_batch, self.max_total, self.max_new_tokens)
 
-    def _join(self, batch: DecodeBatch, jobs: dict[int, Job], job: Job) -> None:
+    def _join(self, batch: DecodeBatch, job: Job) -> None:
         try:
             batch.add(id(job), job.request)
         except Exception as exc:  # e.g. a policy that cannot be built: this request only
             log.exception("a request could not join the batch")
             job.on_error(exc)
             return
-        jobs[id(job)] = job
+        self._jobs[id(job)] = job
 
-    def _publish(self, batch: DecodeBatch, jobs: dict[int, Job], finished: list[tuple[int, GenerationResult]]) -> None:
+    def _publish(self, batch: DecodeBatch, finished: list[tuple[int, GenerationResult]]) -> None:
+        """New text for every running job, the result for every finished one; a job whose
+        text cannot be streamed fails alone (and leaves the batch)."""
         for key, generated in batch.generated().items():
-            job = jobs[key]
-            if not job.cancelled and (text := job.stream.update(generated)):
-                self._send_text(job, text)
+            job = self._jobs[key]
+            try:
+                if not job.cancelled and (text := job.stream.update(generated)):
+                    self._send_text(job, text)
+            except Exception as exc:
+                log.exception("streaming a request's text failed")
+                batch.cancel(key)
+                del self._jobs[key]
+                job.on_error(exc)
         for key, result in finished:
-            job = jobs.pop(key)
+            job = self._jobs.pop(key)
             if job.cancelled:
                 continue
-            if text := job.stream.finish(result.text or ""):
-                self._send_text(job, text)
+            try:
+                result = replace(result, text=self._text(result))
+                if text := job.stream.finish(result.text):
+                    self._send_text(job, text)
+            except Exception as exc:
+                log.exception("finishing a request's text failed")
+                job.on_error(exc)
+                continue
             job.on_done(result)
+
+    def _text(self, result: GenerationResult) -> str:
+        """A client's text: the output without the end-of-sequence token's own text."""
+        ids = result.token_ids[:-1] if result.stop_reason == "eos" else result.token_ids
+        return result.text if result.stop_reason == "stop" else self._decode(ids)
 
     @staticmethod
     def _send_text(job: Job, text: str) -> None:
