@@ -32,10 +32,10 @@ clean:
 RUNS ?= runs
 TRAIN := $(VENV)/bin/failfast train
 COMMON := --data $(RUNS)/data --batch-size 16 --seq-len 256 --resume
-# Self-distillation rows: 43 shards (4.2M target tokens) generated 2026-12-04 and committed in
-# training/selfdistill/ (the drafters of that day trained on the first 37, 3.6M); asking for
-# more tokens adds shards (the goal is >= 10M).
-SD_TOKENS ?= 4227072
+# Self-distillation rows: 102 shards (10.0M target tokens) generated 2026-12-04 and committed in
+# training/selfdistill/ (the drafters shipped that day trained on the first 37, 3.6M); asking
+# for more tokens adds shards.
+SD_TOKENS ?= 10027008
 # Drafters continued on self-distillation rows (the runs of 2026-12-04; diffusion with uniform
 # masks, the A/B winner on 1.2M tokens of rows).
 AR_SD_FLAGS := --steps 1000 --lr 1e-3 --warmup 50 --save-every 50
