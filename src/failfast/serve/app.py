@@ -125,7 +125,7 @@ def create_app(pipe: Pipeline, settings: ServerSettings) -> FastAPI:
     async def run(request: Request, parsed: ParsedRequest, chat: bool) -> Response:
         events = _Events(asyncio.get_running_loop())
         job = Job(GenerationRequest(parsed.prompt_ids, parsed.max_tokens, parsed.sampling, parsed.stop),
-                  on_text=lambda text: events.push("text", text),
+                  on_text=(lambda text: events.push("text", text)) if parsed.stream else None,
                   on_done=lambda result: events.push("done", result),
                   on_error=lambda exc: events.push("error", exc))
         try:

@@ -32,7 +32,7 @@ class ServerMetrics:
         self.running = Gauge("failfast_running_requests", "requests in the running batch", registry=r)
         self.latency = Histogram("failfast_request_latency_seconds", "time from arrival to the last token",
                                  buckets=LATENCY_BUCKETS, registry=r)
-        self.first_token = Histogram("failfast_time_to_first_token_seconds", "time from arrival to the first text",
+        self.first_token = Histogram("failfast_time_to_first_token_seconds", "time from arrival to the first streamed text",
                                      buckets=LATENCY_BUCKETS, registry=r)
         self._totals = {"tokens": 0, "rounds": 0, "drafted": 0, "accepted": 0}  # for the two ratios
 

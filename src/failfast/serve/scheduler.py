@@ -38,11 +38,11 @@ class Job:
     """A submitted request and where its events go (called on the scheduler thread)."""
 
     request: GenerationRequest
-    on_text: Callable[[str], None]
+    on_text: Callable[[str], None] | None  # None: not streamed (no text deltas are computed)
     on_done: Callable[[GenerationResult], None]
     on_error: Callable[[Exception], None]
     submitted: float = field(default_factory=time.perf_counter)
-    first_text_s: float | None = None  # seconds from submission to the first text sent
+    first_text_s: float | None = None  # seconds from submission to the first streamed text
     cancelled: bool = False
     stream: TextStream | None = None
 
@@ -62,7 +62,7 @@ class Scheduler:
         self._wake = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="failfast-scheduler", daemon=True)
-        self._decode = engine.target.tokenizer.decode if engine.target.tokenizer else lambda ids: ""
+        self._decode = engine.target.tokenizer.decode  # the app refuses a target without a tokenizer
         self._jobs: dict[int, Job] = {}  # id(job) -> job, for the rows in the batch
         self.broken: Exception | None = None  # why the thread stopped serving, if it did
         self.freed_rows = 0  # rows given up by cancelled jobs before they finished
@@ -87,7 +87,8 @@ class Scheduler:
     def submit(self, job: Job) -> None:
         """Queue a checked request; raises QueueFull when `max_queue` requests already wait."""
         self.engine.check_request(job.request)
-        job.stream = TextStream(self._decode, job.request.stop)
+        if job.on_text is not None:
+            job.stream = TextStream(self._decode, job.request.stop)
         with self._wake:
             if self._stopping or self.broken is not None:
                 raise Unavailable("the server is not serving (see its log)")
@@ -171,7 +172,7 @@ class Scheduler:
         for key, generated in batch.generated().items():
             job = self._jobs[key]
             try:
-                if not job.cancelled and (text := job.stream.update(generated)):
+                if job.stream is not None and not job.cancelled and (text := job.stream.update(generated)):
                     self._send_text(job, text)
             except Exception as exc:
                 log.exception("streaming a request's text failed")
@@ -184,7 +185,7 @@ class Scheduler:
                 continue
             try:
                 result = replace(result, text=self._text(result))
-                if text := job.stream.finish(result.text):
+                if job.stream is not None and (text := job.stream.finish(result.text)):
                     self._send_text(job, text)
             except Exception as exc:
                 log.exception("finishing a request's text failed")
