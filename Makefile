@@ -40,13 +40,15 @@ SD_TOKENS ?= 10027008
 # masks, the A/B winner on 1.2M tokens of rows).
 AR_SD_FLAGS := --steps 1000 --lr 1e-3 --warmup 50 --save-every 50
 DLLM_SD_FLAGS := --steps 1000 --lr 1e-3 --warmup 50 --save-every 50 --block-size 32 --sub-block-size 8
+AR_SD2_FLAGS := --steps 1500 --lr 1e-3 --warmup 50 --save-every 50
+DLLM_SD2_FLAGS := --steps 2450 --lr 1e-3 --warmup 50 --save-every 50 --block-size 32 --sub-block-size 8
 # Each drafter's reduced output head: the target's 2048 most frequent tokens (96% of what it
 # writes; README "Draft vocabulary").
 DRAFT_VOCAB := 2048
 # A stage that spans sessions resumes from its committed 16-bit resume point when runs/ is gone.
 RESUME_POINT = $(if $(wildcard training/$(1)/state.json),--resume-from training/$(1))
 
-models: $(RUNS)/drafter-ar-sd/training.json $(RUNS)/drafter-dllm-sd/training.json
+models: $(RUNS)/drafter-ar-sd2/training.json $(RUNS)/drafter-dllm-sd2/training.json
 
 $(RUNS)/data/manifest.json: | venv
 	$(TRAIN) data --out $(RUNS)/data
@@ -86,6 +88,16 @@ $(RUNS)/drafter-ar-sd/training.json: $(RUNS)/drafter-ar/training.json $(RUNS)/se
 $(RUNS)/drafter-dllm-sd/training.json: $(RUNS)/drafter-dllm-long/training.json $(RUNS)/selfdistill/.complete
 	$(TRAIN) diffusion --init $(RUNS)/drafter-dllm-long --rows $(RUNS)/selfdistill --out $(RUNS)/drafter-dllm-sd $(DLLM_SD_FLAGS) $(COMMON)
 	$(TRAIN) draft-vocab --rows $(RUNS)/selfdistill --out $(RUNS)/drafter-dllm-sd --draft-vocab-size $(DRAFT_VOCAB)
+
+# Both drafters continue on all 102 shards (the first pieces saw only 37): 2026-12-04, third
+# session, 1 thread each with native bf16 (dLLM 58 min, ~3,000 tok/s).
+$(RUNS)/drafter-ar-sd2/training.json: $(RUNS)/drafter-ar-sd/training.json
+	$(TRAIN) ar --init $(RUNS)/drafter-ar-sd --rows $(RUNS)/selfdistill --out $(RUNS)/drafter-ar-sd2 $(AR_SD2_FLAGS) $(COMMON)
+	$(TRAIN) draft-vocab --rows $(RUNS)/selfdistill --out $(RUNS)/drafter-ar-sd2 --draft-vocab-size $(DRAFT_VOCAB)
+
+$(RUNS)/drafter-dllm-sd2/training.json: $(RUNS)/drafter-dllm-sd/training.json
+	$(TRAIN) diffusion --init $(RUNS)/drafter-dllm-sd --rows $(RUNS)/selfdistill --out $(RUNS)/drafter-dllm-sd2 $(DLLM_SD2_FLAGS) $(COMMON)
+	$(TRAIN) draft-vocab --rows $(RUNS)/selfdistill --out $(RUNS)/drafter-dllm-sd2 --draft-vocab-size $(DRAFT_VOCAB)
 
 # Copy the trained models into the package with model cards (after `make models`).
 ship-models: venv

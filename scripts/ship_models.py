@@ -28,13 +28,15 @@ STAGES = {
     "target": ("AR target", [("pre-training", "target"), ("continued training", "target-v2")]),
     "ar-drafter": ("AR drafter (classic speculative-decoding baseline), distilled from the target",
                    [("pre-training", "drafter-ar-base"), ("distillation from the first target", "drafter-ar"),
-                    ("training on the target's self-distilled continuations", "drafter-ar-sd")]),
+                    ("training on the target's self-distilled continuations", "drafter-ar-sd"),
+                    ("more training on all self-distilled continuations", "drafter-ar-sd2")]),
     "dllm-drafter": ("block-diffusion drafter converted from the AR drafter (Fast-dLLM v2 recipe), "
                      "distilled from the target",
                      [("AR pre-training", "drafter-ar-base"), ("AR distillation from the first target", "drafter-ar"),
                       ("block-diffusion conversion, distilled from the first target", "drafter-dllm"),
                       ("block-diffusion training, distilled from the first target", "drafter-dllm-long"),
-                      ("block diffusion on the target's self-distilled continuations", "drafter-dllm-sd")]),
+                      ("block diffusion on the target's self-distilled continuations", "drafter-dllm-sd"),
+                      ("more block diffusion on all self-distilled continuations", "drafter-dllm-sd2")]),
 }
 SHARD_BYTES = 16 * 2**20  # keep every shipped file small
 
