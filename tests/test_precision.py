@@ -1,5 +1,5 @@
-"""The default dtype (float32 on CPUs, bfloat16 on CUDA; --dtype wins) and 16-bit inference
-whose short verification forwards round like one-token decoding."""
+"""The default dtype (bfloat16 on CUDA and on AVX512-BF16 CPUs without AMX, float32 elsewhere;
+--dtype wins) and 16-bit inference whose verification forwards round like one-token decoding."""
 
 from __future__ import annotations
 
@@ -13,19 +13,21 @@ from failfast import GenerationInputError, load_model
 from failfast.cli import main
 from failfast.model import precision
 from failfast.model.precision import default_dtype, resolve_dtype
-from failfast.model.transformer import attention_mask, batch_invariant_attention
+from failfast.model import transformer
+from failfast.model.transformer import attention_mask, batch_invariant_attention, key_blocked_product, linear
 from tests.helpers import random_model, tiny_config
 
 
-@pytest.mark.parametrize("native", [False, True])
-def test_cpu_inference_defaults_to_float32_whatever_its_bf16_support(monkeypatch, native):
-    """Native bf16 is detected (training uses it) but CPU inference stays float32: 16-bit
-    verification is not bit-identical to one-token decoding there in general."""
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    assert precision.cpu_has_native_bf16() == native == precision.has_native_bf16("cpu")
-    assert default_dtype("cpu") == torch.float32 and resolve_dtype("auto") == resolve_dtype(None) == torch.float32
-    assert resolve_dtype("bfloat16") == torch.bfloat16 and resolve_dtype("float64") == torch.float64  # explicit wins
+@pytest.mark.parametrize("avx512_bf16, amx, expected", [(False, False, torch.float32), (True, False, torch.bfloat16),
+                                                      (True, True, torch.float32), (False, True, torch.float32)])
+def test_cpu_inference_defaults_to_bfloat16_only_where_it_measured_fastest(monkeypatch, avx512_bf16, amx, expected):
+    """AVX512-BF16 without AMX: bfloat16; AMX (one-token decoding measured slower in bf16) and
+    CPUs without native bf16: float32. Native bf16 is detected either way (training uses it)."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert precision.cpu_has_native_bf16() == (avx512_bf16 or amx) == precision.has_native_bf16("cpu")
+    assert default_dtype("cpu") == expected and resolve_dtype("auto") == resolve_dtype(None) == expected
+    assert resolve_dtype("float32") == torch.float32 and resolve_dtype("float64") == torch.float64  # explicit wins
 
 
 @pytest.mark.parametrize("bf16_supported, expected", [(True, torch.bfloat16), (False, torch.float32)])
@@ -40,10 +42,11 @@ def test_unknown_dtype_is_a_clear_error():
         resolve_dtype("fp7")
 
 
-@pytest.mark.parametrize("native, flag, expected", [(False, [], "float32"), (True, [], "float32"),
-                                                    (True, ["--dtype", "bfloat16"], "bfloat16")])
-def test_cli_dtype_follows_the_hardware_unless_given(monkeypatch, capsys, target_dir, native, flag, expected):
-    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
+@pytest.mark.parametrize("prefers_bf16, flag, expected", [(False, [], "float32"), (True, [], "bfloat16"),
+                                                          (True, ["--dtype", "float32"], "float32"),
+                                                          (False, ["--dtype", "bfloat16"], "bfloat16")])
+def test_cli_dtype_follows_the_hardware_unless_given(monkeypatch, capsys, target_dir, prefers_bf16, flag, expected):
+    monkeypatch.setattr(precision, "cpu_prefers_bf16", lambda: prefers_bf16)
     seen = []
 
     def recording_load(path, dtype, device):
@@ -70,20 +73,50 @@ def test_batch_invariant_attention_is_attention(heads, kv_heads):
     assert torch.allclose(one, expected[:, :, :1], atol=1e-12)
 
 
-@pytest.mark.skipif(not precision.cpu_has_native_bf16(), reason="needs a CPU with native bf16 (AVX512-BF16 or AMX)")
-def test_bf16_verification_rounds_like_one_token_decoding():
-    """In bfloat16 a short k-token forward at a short context gives bit-identical logits to k
-    one-token forwards (longer ones need not: README, "Precision")."""
-    model = random_model(tiny_config(vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                                     num_key_value_heads=2), seed=3).to(torch.bfloat16)
-    ids = torch.randint(0, 512, (1, 120), generator=torch.Generator().manual_seed(0))
-    for start in (1, 17, 64, 100):
-        one_cache, many_cache = model.new_cache(128), model.new_cache(128)
+def test_row_blocked_16_bit_ops_split_rows_and_keys_and_compute_the_same(monkeypatch):
+    """16-bit linears and attention products see at most ROW_BLOCK rows per call and sum fixed
+    KEY_BLOCK key ranges, and still compute F.linear and weights @ v (against float64)."""
+    monkeypatch.setattr(transformer, "KEY_BLOCK", 16)
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(3, 30, 24, generator=gen), torch.randn(40, 24, generator=gen), torch.randn(40, generator=gen)
+    rows_seen = []
+    real_linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda a, *rest: rows_seen.append(a.shape[0]) or real_linear(a, *rest))
+    out = linear(x.bfloat16(), w.bfloat16(), b.bfloat16())
+    assert rows_seen == [32, 32, 26] and out.shape == (3, 30, 40) and out.dtype == torch.bfloat16
+    expected = x.bfloat16().double() @ w.bfloat16().double().T + b.bfloat16().double()
+    assert torch.allclose(out.double(), expected, rtol=2e-2, atol=5e-2)
+    rows_seen.clear()
+    assert torch.equal(linear(x.double(), w.double()), x.double() @ w.double().T) and rows_seen == [90]  # one call
+    weights, v = torch.rand(2, 40, 50, generator=gen).bfloat16(), torch.randn(2, 50, 8, generator=gen).bfloat16()
+    assert torch.allclose(key_blocked_product(weights, v).double(), weights.double() @ v.double(), rtol=2e-2, atol=5e-2)
+
+
+NATIVE_BF16 = pytest.mark.skipif(not precision.cpu_has_native_bf16(), reason="needs a CPU with native bf16")
+BF16_DEFAULT = pytest.mark.skipif(not precision.cpu_prefers_bf16(), reason="bf16 is the default only on "
+                                  "AVX512-BF16 CPUs without AMX; long 16-bit forwards are checked there")
+
+
+@pytest.mark.parametrize("starts, width", [pytest.param((1, 17, 64, 100), 9, marks=NATIVE_BF16),
+                                           pytest.param((5, 300), 33, marks=BF16_DEFAULT),
+                                           pytest.param((40,), 64, marks=BF16_DEFAULT),
+                                           pytest.param((1000, 1020), 33, marks=BF16_DEFAULT)])
+def test_bf16_verification_rounds_like_one_token_decoding(starts, width):
+    """In bfloat16 a k-token forward gives bit-identical logits to k one-token forwards: short
+    verifications on any native-bf16 CPU; where bf16 is the default also long ones (more rows
+    than one kernel block) and contexts whose key range crosses 1,024 during the forward.
+    The layer shapes are the embedded target's."""
+    cfg = tiny_config(vocab_size=8192, hidden_size=384, intermediate_size=1024, num_attention_heads=6,
+                      num_key_value_heads=2, max_position_embeddings=1100)
+    model = random_model(cfg, seed=3).to(torch.bfloat16)
+    ids = torch.randint(0, 8192, (1, 1100), generator=torch.Generator().manual_seed(0))
+    for start in starts:
+        one_cache, many_cache = model.new_cache(1100), model.new_cache(1100)
         model(ids[:, :start], 0, one_cache)
         model(ids[:, :start], 0, many_cache)
-        one = torch.cat([model(ids[:, p:p + 1], p, one_cache) for p in range(start, start + 9)], dim=1)
-        many = model(ids[:, start:start + 9], start, many_cache)
-        assert torch.equal(one, many)
+        one = torch.cat([model(ids[:, p:p + 1], p, one_cache) for p in range(start, start + width)], dim=1)
+        many = model(ids[:, start:start + width], start, many_cache)
+        assert torch.equal(one, many), f"start {start}, {width} tokens"
 
 
 def test_cli_drafter_dtype_applies_to_the_drafter_only(monkeypatch, capsys, random_models):

@@ -37,7 +37,7 @@ class Pipeline:
              device: str = "cpu", full_vocab: bool = False) -> "Pipeline":
         """`drafter_dtype` (default: `dtype`) and `full_vocab` (ignore the drafter's draft
         vocabulary) never change the output, only the drafting cost."""
-        dtype = dtype or default_dtype(device)  # float32 on CPUs, bfloat16 on CUDA (model/precision.py)
+        dtype = dtype or default_dtype(device)  # bfloat16 where it is fastest, else float32 (model/precision.py)
         tgt = load_model(resolve_model(target), dtype=dtype, device=device)
         if drafter is None:
             return cls(tgt, SpeculativeEngine(tgt))

@@ -1,14 +1,13 @@
 """Which floating-point type to run in (docs/design.md, "Precision").
 
-Inference: bfloat16 on CUDA, float32 on CPUs. On a CPU, 16-bit verification does not always
-round like one-token decoding even with `batch_invariant_attention` (PyTorch's bf16 matmuls
-change kernel with the row count past ~33 rows and, in attention, at long contexts), so a
-near-tie can flip a token; float32 keeps such flips about a million times rarer, and plain
-decoding of small models is fastest in float32 anyway (3.3 vs 5.5 ms per token for the
-embedded target on an AVX512-BF16/AMX CPU). Training: bf16 autocast where bf16 is native
-(AVX512-BF16, AMX, CUDA), which is 10x faster there; on an AVX2-only CPU bf16 is emulated
-and 25x slower, so float32.
-"""
+Inference: bfloat16 on CUDA and on CPUs with AVX512-BF16 but no AMX tiles, float32 on other
+CPUs. bfloat16 is where it is fastest by measurement: on an AVX512-BF16 CPU the embedded
+target's one-token forward takes 4.9 ms in bf16 against 5.8 in float32 and a 33-token
+verification 8.5 against 19.1 (FailFast 1.30x faster); on the AMX CPU we measured, one-token
+decoding was slower in bf16 (5.5 vs 3.3 ms), and without native bf16 it is emulated. 16-bit
+verification rounds like one-token decoding only because every 16-bit matmul is row- and
+key-blocked (`model/transformer.py`). Training: bf16 autocast where bf16 is native
+(AVX512-BF16, AMX, CUDA); on an AVX2-only CPU bf16 is emulated and 25x slower, so float32."""
 
 from __future__ import annotations
 
@@ -21,11 +20,19 @@ DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.flo
                                   "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _cpu_has(check: str) -> bool:
+    """PyTorch's own CPU feature check `torch.cpu._is_<check>_supported` (False if absent)."""
+    return getattr(torch.cpu, f"_is_{check}_supported", lambda: False)()
+
+
 def cpu_has_native_bf16() -> bool:
     """True when this CPU has AVX512-BF16 or AMX tiles (x86), as PyTorch's own kernels check."""
-    cpu = torch.cpu
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(cpu, name, lambda: False)() for name in checks)
+    return _cpu_has("avx512_bf16") or _cpu_has("amx_tile")
+
+
+def cpu_prefers_bf16() -> bool:
+    """True on a CPU where bf16 inference measured fastest: AVX512-BF16 without AMX tiles."""
+    return _cpu_has("avx512_bf16") and not _cpu_has("amx_tile")
 
 
 def has_native_bf16(device: str | torch.device) -> bool:
@@ -38,9 +45,11 @@ def has_native_bf16(device: str | torch.device) -> bool:
 
 
 def default_dtype(device: str | torch.device = "cpu") -> torch.dtype:
-    """Inference dtype: bfloat16 on a CUDA device that supports it, float32 everywhere else."""
+    """Inference dtype: bfloat16 on a CUDA device that supports it and on CPUs where it
+    measured fastest (`cpu_prefers_bf16`), float32 everywhere else."""
     dev = check_device(device)
-    return torch.bfloat16 if dev.type == "cuda" and has_native_bf16(dev) else torch.float32
+    fast_bf16 = has_native_bf16(dev) if dev.type == "cuda" else dev.type == "cpu" and cpu_prefers_bf16()
+    return torch.bfloat16 if fast_bf16 else torch.float32
 
 
 def resolve_dtype(name: str | None, device: str | torch.device = "cpu") -> torch.dtype:

@@ -15,6 +15,34 @@ from failfast.model.config import ModelConfig
 from failfast.model.kv_cache import KVCache
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+# Rows per 16-bit matmul call. CPU kernels pick their blocking by row count, and past ~32 rows
+# (34 for the MLP's down projection on an AMX CPU, 48 for long-context attention on an
+# AVX512-BF16 one) a row's rounding changes; at most this many rows per call, a k-token
+# verification rounds like k one-token forwards (docs/design.md, "Precision").
+ROW_BLOCK = 32
+# Keys per 16-bit attention reduction: CPU kernels reduce up to 1,024 in one block.
+KEY_BLOCK = 1024
+
+
+def row_blocked(op, x: Tensor) -> Tensor:
+    """`op(x)` computed on at most ROW_BLOCK rows (dim -2) at a time, for 16-bit inputs:
+    each row's result then does not depend on how many rows share the call."""
+    if x.dtype not in HALF_DTYPES or x.shape[-2] <= ROW_BLOCK:
+        return op(x)
+    return torch.cat([op(part) for part in x.split(ROW_BLOCK, dim=-2)], dim=-2)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`F.linear` over the flattened rows of x, row-blocked in 16 bits."""
+    rows = x.reshape(-1, x.shape[-1])
+    return row_blocked(lambda part: F.linear(part, weight, bias), rows).view(*x.shape[:-1], weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` (same parameters and names) whose 16-bit rows do not depend on the batch."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 def attention_mask(q_pos: Tensor, k_pos: Tensor, block_size: int | None) -> Tensor:
@@ -61,19 +89,38 @@ def batch_invariant_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | No
     16-bit verification must round exactly like one-token decoding, or a near-tie flips a
     token and the output is no longer the target's (docs/design.md, "Precision"). PyTorch's
     CPU SDPA picks different kernels for one query and for several; its 16-bit matmuls, with
-    float32 accumulation over the same order, do not. So: grouped-query matmuls, softmax in
-    float32 (or wider), masked keys contributing exact zeros.
+    float32 accumulation over the same order, do not, at up to ROW_BLOCK rows per call. So:
+    grouped-query matmuls, row-blocked, softmax in float32 (or wider), masked keys
+    contributing exact zeros.
     """
     b, heads, t, d = q.shape
     groups = k.shape[1]
     per_group = heads // groups  # kv head j serves query heads j*per_group .. (j+1)*per_group-1
     compute = torch.promote_types(q.dtype, torch.float32)
-    scores = (q.reshape(b, groups, per_group * t, d) @ k.transpose(-1, -2)).to(compute) * d ** -0.5
+    keys = k.transpose(-1, -2)
+    scores = row_blocked(lambda rows: rows @ keys, q.reshape(b, groups, per_group * t, d)).to(compute) * d ** -0.5
     scores = scores.view(b, groups, per_group, t, -1)
     if mask is not None:
         scores = scores.masked_fill(~(mask[:, :, None] if mask.dim() == 4 else mask), float("-inf"))
     weights = scores.softmax(-1).to(v.dtype).view(b, groups, per_group * t, -1)
-    return (weights @ v).view(b, heads, t, d)
+    return row_blocked(lambda rows: key_blocked_product(rows, v), weights).view(b, heads, t, d)
+
+
+def key_blocked_product(weights: Tensor, v: Tensor) -> Tensor:
+    """`weights @ v` summed over fixed KEY_BLOCK-wide key ranges (float32 partial sums).
+
+    A CPU kernel splits a long reduction differently for different lengths, so a query that
+    attends to 1,000 keys would round differently in a forward whose key range is 1,030 long
+    (the masked keys are exact zeros, but the split moves). Fixed ranges at absolute key
+    positions make each range's product one kernel block, whatever the call's length.
+    """
+    if weights.dtype not in HALF_DTYPES or v.shape[-2] <= KEY_BLOCK:
+        return weights @ v
+    total = None
+    for lo in range(0, v.shape[-2], KEY_BLOCK):
+        part = (weights[..., lo:lo + KEY_BLOCK] @ v[..., lo:lo + KEY_BLOCK, :]).float()
+        total = part if total is None else total + part
+    return total.to(v.dtype)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -89,10 +136,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=True)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=True)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=True)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=True)
+        self.k_proj = Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=True)
+        self.v_proj = Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=True)
+        self.o_proj = Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None,
                 cache: KVCache | None, layer: int, start: int | Tensor, context_end: int | None) -> Tensor:
@@ -117,9 +164,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -154,7 +201,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
@@ -213,7 +260,7 @@ class Transformer(nn.Module):
         return logits
 
     def _head(self, hidden: Tensor, head_weight: Tensor | None) -> Tensor:
-        return self.lm_head(hidden) if head_weight is None else F.linear(hidden, head_weight)
+        return self.lm_head(hidden) if head_weight is None else linear(hidden, head_weight)
 
     def forward_rows(self, tokens: Tensor, starts: list[int], cache: KVCache,
                      head_weight: Tensor | None = None) -> Tensor:
