@@ -1,6 +1,6 @@
 """Batched decoding: every row equals its single-sequence output (float64, CPU), whatever the
 drafter, policy, prompt lengths, finishing rounds, joining order and sampling seeds; batched
-drafting (AR drafters) proposes exactly the drafts each row would alone."""
+drafting (AR and block-diffusion drafters) proposes exactly the drafts each row would alone."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _check_batches(engine: SpeculativeEngine, requests: list[GenerationRequest])
             assert got[i].token_ids == want.token_ids, (batch_size, i)
             assert got[i].stop_reason == want.stop_reason and got[i].text == want.text
             assert got[i].stats.tokens == len(want.token_ids)
-            # the same drafts, round by round: batched drafting (AR drafters) drafts what one row would
+            # the same drafts, round by round: batched drafting drafts what one row would
             rounds = lambda r: [(x.drafted, x.accepted, x.drafter_forwards) for x in r.stats.trajectory]  # noqa: E731
             assert rounds(got[i]) == rounds(want), (batch_size, i)
 
@@ -101,3 +101,18 @@ def test_a_cancelled_row_leaves_between_rounds_and_a_new_one_takes_its_slot(rand
     for i in (2, 4, 6):
         r = requests[i]
         assert finished[i].token_ids == engine.generate(r.prompt_ids, r.max_new_tokens, r.sampling).token_ids
+
+
+@pytest.mark.parametrize("denoise, threshold", [("prefix", 0.0), ("prefix", 0.5), ("sub-block", 0.0), ("full-block", 0.0)])
+def test_block_diffusion_rows_denoise_together(random_models, monkeypatch, denoise, threshold):
+    """In a batch, rows that need a denoising pass run it in one forward (`denoise_rows`), and
+    every row still drafts what it drafts alone (the round records of `_check_batches`)."""
+    target = load_model(random_models["target"], dtype=torch.float64)
+    drafter = load_model(random_models["random-dllm"], dtype=torch.float64)
+    engine = SpeculativeEngine(target, make_drafter(target, drafter, threshold, denoise), FailFast(tau=0.0, chunk=3, max_draft=20))
+    rows_per_forward = []
+    real = type(drafter.model).denoise_rows
+    monkeypatch.setattr(type(drafter.model), "denoise_rows",
+                        lambda self, tokens, *a, **k: rows_per_forward.append(tokens.shape[0]) or real(self, tokens, *a, **k))
+    _check_batches(engine, _requests())
+    assert max(rows_per_forward) == len(LENGTHS) - 1  # every row but the one-token one (it never drafts)

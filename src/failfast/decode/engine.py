@@ -199,8 +199,9 @@ class SpeculativeEngine:
         return seq
 
     def _draft_together(self, active: dict[int, _Sequence], drafters: list, shared: KVCache) -> dict[int, tuple[list[int], list[float]]]:
-        """`_draft` for every row at once, one token per row and forward (a batchable drafter):
-        each row asks its policy whenever its last request is drafted, as `_draft` does."""
+        """`_draft` for every row at once (a batchable drafter's `draft_rows` serves several
+        rows per forward): each row asks its policy whenever its last request is drafted, as
+        `_draft` does."""
         drafted = {slot: ([], []) for slot in active}
         remaining = {}
         for slot, seq in active.items():
@@ -208,12 +209,12 @@ class SpeculativeEngine:
             if seq.budget > 0:
                 seq.drafter.begin(seq.committed)
                 remaining[slot] = min(self.policy.request([]), seq.budget)
-        while wanted := [slot for slot in active if remaining[slot] > 0]:
-            for slot, (tok, conf) in type(drafters[0]).draft_rows(drafters, wanted, shared).items():
+        while wants := {slot: n for slot, n in remaining.items() if n > 0}:
+            for slot, (new, new_confs) in type(drafters[0]).draft_rows(drafters, wants, shared).items():
                 tokens, confs = drafted[slot]
-                tokens.append(tok)
-                confs.append(conf)
-                remaining[slot] -= 1
+                tokens += new
+                confs += new_confs
+                remaining[slot] -= len(new)
                 if remaining[slot] == 0:
                     remaining[slot] = max(min(self.policy.request(confs), active[slot].budget - len(tokens)), 0)
         return drafted
@@ -297,7 +298,7 @@ class DecodeBatch:
         drafter = engine.drafter
         self.drafters = [drafter] + [copy.copy(drafter) for _ in range(slots - 1)]
         # drafters that batch their passes share one cache, a row per slot (room for padding too)
-        self.shared = (drafter.model.new_cache(capacity + 1 + drafter.batch_width, batch=slots)
+        self.shared = (drafter.model.new_cache(drafter.batch_capacity(capacity), batch=slots)
                        if slots > 1 and getattr(drafter, "batchable", False) else None)
         self.active: dict[int, _Sequence] = {}  # slot -> sequence
 

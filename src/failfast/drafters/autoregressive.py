@@ -47,18 +47,22 @@ class ARDrafter(ModelDrafter):
             confs.append(conf)
         return tokens, confs
 
+    def batch_capacity(self, positions: int) -> int:
+        """Positions per row of a batch's shared cache: room for a padded step past `positions`."""
+        return positions + 1 + self.batch_width
+
     @staticmethod
-    def draft_rows(drafters: list["ARDrafter"], wanted: list[int], shared: KVCache) -> dict[int, tuple[int, float]]:
-        """One draft token for each slot in `wanted`, in one forward over every slot of
+    def draft_rows(drafters: list["ARDrafter"], wants: dict[int, int],
+                   shared: KVCache) -> dict[int, tuple[list[int], list[float]]]:
+        """One draft token for each slot in `wants`, in one forward over every slot of
         `shared` (`drafters[slot]` drafts into `shared.row(slot)`). Other slots compute
         throwaway tokens at and past their cached length, which they overwrite before reading.
         A row with more than `batch_width` pending tokens (its prompt, after joining) steps
         alone, so that one long row does not widen every row's forward."""
-        out: dict[int, tuple[int, float]] = {}
-        for slot in [s for s in wanted if len(drafters[s]._pending) > ARDrafter.batch_width]:
-            tokens, confs = drafters[slot].draft(1)
-            out[slot] = (tokens[0], confs[0])
-        wanted = [slot for slot in wanted if slot not in out]
+        out: dict[int, tuple[list[int], list[float]]] = {}
+        for slot in [s for s in wants if len(drafters[s]._pending) > ARDrafter.batch_width]:
+            out[slot] = drafters[slot].draft(1)
+        wanted = [slot for slot in wants if slot not in out]
         if not wanted:
             return out
         width = max(len(drafters[slot]._pending) for slot in wanted)
@@ -71,5 +75,6 @@ class ARDrafter(ModelDrafter):
         for slot in wanted:
             d = drafters[slot]
             d.cache.length += len(d._pending)
-            out[slot] = d._advance(logits[slot, len(d._pending) - 1])
+            tok, conf = d._advance(logits[slot, len(d._pending) - 1])
+            out[slot] = ([tok], [conf])
         return out

@@ -18,6 +18,7 @@ are approximations for drafting, which verification makes harmless.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -26,6 +27,7 @@ from torch import Tensor
 from failfast.drafters.base import ModelDrafter, common_prefix_len
 from failfast.errors import IncompatibleModelsError, PolicyError
 from failfast.model import LoadedModel
+from failfast.model.kv_cache import KVCache
 
 
 DENOISE_MODES = ("prefix", "sub-block", "full-block")
@@ -37,7 +39,24 @@ DEFAULT_DENOISE = "prefix"
 DEFAULT_UNMASK_THRESHOLD = 0.0
 
 
+@dataclass(frozen=True)
+class _Pass:
+    """One denoising pass: block positions [lo, hi) forwarded, the masked positions it
+    predicts, the end of their sub-block, and the block position its attention reads up to."""
+
+    lo: int
+    hi: int
+    masked: list[int]
+    end: int
+    context_end: int
+
+
 class BlockDiffusionDrafter(ModelDrafter):
+    """Batches (docs/design.md, "Batching"): each row's copy drafts into its row of one shared
+    cache, and `draft_rows` runs the denoising passes that several rows need in one forward."""
+
+    batchable = True
+
     def __init__(self, loaded: LoadedModel, vocab_limit: int, unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD,
                  denoise: str = DEFAULT_DENOISE, sub_block_size: int | None = None,
                  draft_vocab: Sequence[int] | None = None) -> None:
@@ -62,9 +81,9 @@ class BlockDiffusionDrafter(ModelDrafter):
         self.boundary: Tensor | None = None  # logits at cache.length - 1: predicts the next block's first token
         self.scratch_base = -1
 
-    def prepare(self, total_len: int) -> None:
+    def prepare(self, total_len: int, cache: KVCache | None = None) -> None:
         b = self.block_size
-        self._allocate(-(-total_len // b) * b + b, total_len)
+        self._allocate(-(-total_len // b) * b + b, total_len, cache)
         self.boundary = None
         self.scratch_base = -1  # a new cache holds no scratch K/V
 
@@ -105,31 +124,50 @@ class BlockDiffusionDrafter(ModelDrafter):
         self.boundary = logits[0, -1]
         self.forwards += 1
 
-    def _denoise_next_sub_block(self) -> None:
-        s = self.sub_block_size
-        first = self.ready
-        if first == 0:  # the block's first token, AR-style, from the boundary logits
+    def _next_pass(self) -> _Pass | None:
+        """The denoising pass needed before the next token can be handed out, or None when one
+        is decoded already. Completes a handed-out block first (a forward that caches it)."""
+        if self.handed < self.ready:
+            return None
+        if self.handed == self.block_size:  # block complete: cache it, start the next
+            self._commit(self.block)
+            self.block = [self.mask_id] * self.block_size
+            self.block_confs = [0.0] * self.block_size
+            self.handed = self.ready = 0
+            self._new_block_scratch()
+        s, first = self.sub_block_size, self.ready
+        if first == 0 and self.block[0] == self.mask_id:  # the block's first token, AR-style, from the boundary
             tok, conf = self.pick(self.boundary)
             self.block[0], self.block_confs[0] = int(tok), float(conf)
         end = min((first // s + 1) * s, self.block_size)
         masked = [j for j in range(first, end) if self.block[j] == self.mask_id]
-        while masked:
-            lo, hi = self._pass_range(masked, end)
-            base = self.cache.length
-            logits = self.model(self._tensor(self.block[lo:hi]), base + lo, self.cache, block_size=self.block_size,
-                                commit=False, logits_at=[j - 1 - lo for j in masked],  # token shift
-                                context_end=base + (hi if self.denoise == "prefix" else self.block_size),
-                                head_weight=self.head_weight)
-            self.scratch_ids[lo:hi] = self.block[lo:hi]
-            self.forwards += 1
-            tok, conf = self.pick(logits[0])
-            chosen = (conf > self.unmask_threshold)
-            chosen[conf.argmax()] = True
-            for j, t, c, take in zip(masked, tok.tolist(), conf.tolist(), chosen.tolist()):
-                if take:
-                    self.block[j], self.block_confs[j] = t, c
-            masked = [j for j in masked if self.block[j] == self.mask_id]
-        self.ready = end
+        if not masked:
+            self.ready = end
+            return None
+        lo, hi = self._pass_range(masked, end)
+        return _Pass(lo, hi, masked, end, hi if self.denoise == "prefix" else self.block_size)
+
+    def _apply_pass(self, plan: _Pass, logits: Tensor) -> None:
+        """Unmask from a pass's logits [len(plan.masked), V]: every position above the
+        threshold and always the most confident one; the sub-block is decoded when none is left."""
+        self.scratch_ids[plan.lo:plan.hi] = self.block[plan.lo:plan.hi]
+        self.forwards += 1
+        tok, conf = self.pick(logits)
+        chosen = (conf > self.unmask_threshold)
+        chosen[conf.argmax()] = True
+        for j, t, c, take in zip(plan.masked, tok.tolist(), conf.tolist(), chosen.tolist()):
+            if take:
+                self.block[j], self.block_confs[j] = t, c
+        if all(self.block[j] != self.mask_id for j in plan.masked):
+            self.ready = plan.end
+
+    def _run_pass(self, plan: _Pass) -> None:
+        base = self.cache.length
+        logits = self.model(self._tensor(self.block[plan.lo:plan.hi]), base + plan.lo, self.cache,
+                            block_size=self.block_size, commit=False, context_end=base + plan.context_end,
+                            logits_at=[j - 1 - plan.lo for j in plan.masked],  # token shift
+                            head_weight=self.head_weight)
+        self._apply_pass(plan, logits[0])
 
     def _pass_range(self, masked: list[int], end: int) -> tuple[int, int]:
         """Block positions [lo, hi) a denoising pass computes; the rest of the block (of its
@@ -141,20 +179,74 @@ class BlockDiffusionDrafter(ModelDrafter):
         stale = [p for p in range(end) if self.scratch_ids[p] != self.block[p]]  # never written (None) is stale
         return min(stale + [j - 1 for j in masked]), end
 
+    def _hand(self, count: int) -> tuple[list[int], list[float]]:
+        """Up to `count` decoded tokens not handed out yet, and their confidences."""
+        take = min(count, self.ready - self.handed)
+        tokens = self.block[self.handed:self.handed + take]
+        confs = self.block_confs[self.handed:self.handed + take]
+        self.handed += take
+        return tokens, confs
+
     def draft(self, count: int) -> tuple[list[int], list[float]]:
         tokens: list[int] = []
         confs: list[float] = []
         while len(tokens) < count:
-            if self.handed == self.block_size:  # block complete: cache it, start the next
-                self._commit(self.block)
-                self.block = [self.mask_id] * self.block_size
-                self.block_confs = [0.0] * self.block_size
-                self.handed = self.ready = 0
-                self._new_block_scratch()
-            if self.handed == self.ready:
-                self._denoise_next_sub_block()
-            take = min(count - len(tokens), self.ready - self.handed)
-            tokens += self.block[self.handed:self.handed + take]
-            confs += self.block_confs[self.handed:self.handed + take]
-            self.handed += take
+            if (plan := self._next_pass()) is not None:
+                self._run_pass(plan)
+                continue
+            new, new_confs = self._hand(count - len(tokens))
+            tokens += new
+            confs += new_confs
         return tokens, confs
+
+    def batch_capacity(self, positions: int) -> int:
+        """Positions per row of a batch's shared cache: blocks up to `positions` plus the
+        current block and room for a padded pass past it (`draft_rows`)."""
+        b = self.block_size
+        return -(-positions // b) * b + 2 * b
+
+    @staticmethod
+    def draft_rows(drafters: list["BlockDiffusionDrafter"], wants: dict[int, int],
+                   shared: KVCache) -> dict[int, tuple[list[int], list[float]]]:
+        """Some draft tokens (1 to wants[slot]) for every slot in `wants`: rows with decoded
+        tokens hand them out, and the rows that need a denoising pass run theirs together in
+        one forward over their rows of `shared` (`drafters[slot]` drafts into
+        `shared.row(slot)`), each pass the one it would run alone."""
+        out: dict[int, tuple[list[int], list[float]]] = {}
+        while len(out) < len(wants):
+            plans = {}
+            for slot in wants:
+                if slot in out:
+                    continue
+                if (plan := drafters[slot]._next_pass()) is None:
+                    out[slot] = drafters[slot]._hand(wants[slot])
+                else:
+                    plans[slot] = plan
+            if len(plans) == 1:
+                [(slot, plan)] = plans.items()
+                drafters[slot]._run_pass(plan)
+            elif plans:
+                BlockDiffusionDrafter._run_passes(drafters, plans, shared)
+        return out
+
+    @staticmethod
+    def _run_passes(drafters: list["BlockDiffusionDrafter"], plans: dict[int, _Pass], shared: KVCache) -> None:
+        """Several rows' passes in one forward; short rows are padded with positions in the
+        block after their current one, which holds nothing yet."""
+        first = drafters[next(iter(plans))]
+        width = max(plan.hi - plan.lo for plan in plans.values())
+        tokens, positions, context_ends, rows, cols = [], [], [], [], []
+        for b, (slot, plan) in enumerate(plans.items()):
+            d = drafters[slot]
+            base, n = d.cache.length, plan.hi - plan.lo
+            tokens.append(d.block[plan.lo:plan.hi] + [d.mask_id] * (width - n))
+            positions.append([*range(base + plan.lo, base + plan.hi), *range(base + d.block_size, base + d.block_size + width - n)])
+            context_ends.append(base + plan.context_end)
+            rows += [b] * len(plan.masked)
+            cols += [j - 1 - plan.lo for j in plan.masked]  # token shift
+        device = first.model.device
+        logits = first.model.denoise_rows(torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
+                                          context_ends, shared.rows(list(plans)), first.block_size, (rows, cols),
+                                          first.head_weight)
+        for part, (slot, plan) in zip(logits.split([len(p.masked) for p in plans.values()]), plans.items()):
+            drafters[slot]._apply_pass(plan, part)

@@ -46,10 +46,11 @@ class Linear(nn.Linear):
 
 
 def attention_mask(q_pos: Tensor, k_pos: Tensor, block_size: int | None) -> Tensor:
-    """Boolean [Tq, Tk] mask: True where a query may attend to a key."""
+    """Boolean [..., Tq, Tk] mask for query positions [..., Tq]: True where a query may attend
+    to a key (causal, or block-causal: every key of its own and earlier blocks)."""
     if block_size is None:
-        return k_pos[None, :] <= q_pos[:, None]
-    return (k_pos[None, :] // block_size) <= (q_pos[:, None] // block_size)
+        return k_pos <= q_pos[..., None]
+    return (k_pos // block_size) <= (q_pos[..., None] // block_size)
 
 
 class RMSNorm(nn.Module):
@@ -277,8 +278,28 @@ class Transformer(nn.Module):
         if end > cache.capacity:
             raise ValueError(f"positions up to {end} exceed the cache capacity {cache.capacity}")
         positions = torch.tensor(starts, device=tokens.device)[:, None] + torch.arange(t, device=tokens.device)
-        mask = (torch.arange(end, device=tokens.device) <= positions[:, :, None])[:, None]  # [B, 1, T, end]
+        mask = attention_mask(positions, torch.arange(end, device=tokens.device), None)[:, None]  # [B, 1, T, end]
         return self._head(self._hidden(tokens, positions, mask, cache, positions, end), head_weight)
+
+    def denoise_rows(self, tokens: Tensor, positions: Tensor, context_ends: list[int], cache: KVCache,
+                     block_size: int, logits_at: tuple[list[int], list[int]],
+                     head_weight: Tensor | None = None) -> Tensor:
+        """Block-diffusion scratch passes of several rows in one forward: row b's tokens at
+        `positions[b]` attend block-causally to its cache row's keys below `context_ends[b]`,
+        as `forward(commit=False, context_end=...)` does for one row. Logits [N, V] at the
+        (row, index) pairs `logits_at`. `cache` may be `KVCache.rows` (only those rows run);
+        the caller pads short rows with positions at or past every context end, which no
+        query of a real token reads. Cache lengths are not changed.
+        """
+        read_end = max(context_ends)
+        if int(positions.max()) >= cache.capacity:
+            raise ValueError(f"positions up to {int(positions.max())} exceed the cache capacity {cache.capacity}")
+        ends = torch.tensor(context_ends, device=tokens.device)[:, None, None]
+        keys = torch.arange(read_end, device=tokens.device)
+        mask = (attention_mask(positions, keys, block_size) & (keys < ends))[:, None]  # [B, 1, T, read_end]
+        hidden = self._hidden(tokens, positions, mask, cache, positions, read_end)
+        rows, cols = logits_at
+        return self._head(hidden[rows, cols], head_weight)
 
     def hidden_masked(self, tokens: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
         """Final hidden states of a cache-free forward with an explicit [T, T] attention mask.
