@@ -10,6 +10,8 @@ import torch
 from failfast import FailFast, Fixed, SamplingParams, SpeculativeEngine, load_model, make_drafter
 from failfast.decode.engine import GenerationRequest
 from failfast.decode.policies import CostAware
+from failfast.model import Transformer
+from failfast.model.ragged import Ragged
 from tests.helpers import copy_checkpoint, prompt_of, set_eos, write_word_tokenizer
 from tests.test_lossless import CPU_COSTS
 
@@ -105,14 +107,43 @@ def test_a_cancelled_row_leaves_between_rounds_and_a_new_one_takes_its_slot(rand
 
 @pytest.mark.parametrize("denoise, threshold", [("prefix", 0.0), ("prefix", 0.5), ("sub-block", 0.0), ("full-block", 0.0)])
 def test_block_diffusion_rows_denoise_together(random_models, monkeypatch, denoise, threshold):
-    """In a batch, rows that need a denoising pass run it in one forward (`denoise_rows`), and
-    every row still drafts what it drafts alone (the round records of `_check_batches`)."""
+    """In a batch, rows that need a denoising pass run it in one packed forward, and every row
+    still drafts what it drafts alone (the round records of `_check_batches`)."""
     target = load_model(random_models["target"], dtype=torch.float64)
     drafter = load_model(random_models["random-dllm"], dtype=torch.float64)
     engine = SpeculativeEngine(target, make_drafter(target, drafter, threshold, denoise), FailFast(tau=0.0, chunk=3, max_draft=20))
-    rows_per_forward = []
-    real = type(drafter.model).denoise_rows
-    monkeypatch.setattr(type(drafter.model), "denoise_rows",
-                        lambda self, tokens, *a, **k: rows_per_forward.append(tokens.shape[0]) or real(self, tokens, *a, **k))
+    rows_per_pass = []
+    real = Transformer.forward_ragged
+
+    def recording(self, ragged, cache, **kw):
+        if kw.get("block_size") is not None:
+            rows_per_pass.append(len(ragged.rows))
+        return real(self, ragged, cache, **kw)
+    monkeypatch.setattr(Transformer, "forward_ragged", recording)
     _check_batches(engine, _requests())
-    assert max(rows_per_forward) == len(LENGTHS) - 1  # every row but the one-token one (it never drafts)
+    assert max(rows_per_pass) == len(LENGTHS) - 1  # every row but the one-token one (it never drafts)
+
+
+def test_ragged_forward_equals_one_row_forwards(random_models):
+    """A packed forward over some rows of a batch cache gives each row the logits and K/V of
+    its own one-row forward: causal, and block-causal up to per-row context ends (float64)."""
+    model = load_model(random_models["random-dllm"], dtype=torch.float64).model
+    gen = torch.Generator().manual_seed(0)
+    prefixes = [torch.randint(2, 90, (1, n), generator=gen) for n in (5, 16, 9)]
+    new = [torch.randint(2, 90, (1, n), generator=gen) for n in (3, 1, 6)]
+    for block_size, context_ends in ((None, None), (8, [8, 24, 16])):
+        batch, alone = model.new_cache(40, batch=4), []
+        for row, prefix in zip((0, 2, 3), prefixes):
+            model(prefix, 0, batch.row(row), block_size=block_size)
+            alone.append(model.new_cache(40))
+            model(prefix, 0, alone[-1], block_size=block_size)
+        ragged = Ragged.pack([0, 2, 3], [p.shape[1] for p in prefixes], [t[0].tolist() for t in new], model.device)
+        packed = model.forward_ragged(ragged, batch, block_size=block_size, context_ends=context_ends)
+        assert packed.shape[0] == sum(t.shape[1] for t in new)  # no padding reaches the head
+        for i, (row, prefix, tokens, cache) in enumerate(zip((0, 2, 3), prefixes, new, alone)):
+            ctx = None if context_ends is None else context_ends[i]
+            one = model(tokens, prefix.shape[1], cache, block_size=block_size, commit=ctx is None, context_end=ctx)[0]
+            lo = ragged.offsets[i]
+            assert torch.allclose(packed[lo:lo + tokens.shape[1]], one, atol=1e-12)
+            end = prefix.shape[1] + tokens.shape[1]
+            assert torch.allclose(batch.keys[1][row, :, :end], cache.keys[1][0, :, :end], atol=1e-12)

@@ -19,6 +19,7 @@ from failfast.drafters import Drafter
 from failfast.errors import GenerationInputError
 from failfast.model import LoadedModel
 from failfast.model.kv_cache import KVCache
+from failfast.model.ragged import Ragged
 from failfast.decode.policies import Policy, PolicyFactory, is_policy_factory
 from failfast.decode.stats import GenerationStats, RoundStats
 from failfast.decode.stopping import StopStrings
@@ -219,7 +220,7 @@ class SpeculativeEngine:
                     remaining[slot] = max(min(self.policy.request(confs), active[slot].budget - len(tokens)), 0)
         return drafted
 
-    def _round(self, active: dict[int, _Sequence], cache: KVCache, slots: int, drafters: list,
+    def _round(self, active: dict[int, _Sequence], cache: KVCache, drafters: list,
                shared: KVCache | None) -> None:
         """Draft for every active row, verify them in one forward, commit each row's tokens."""
         model = self.target.model
@@ -245,23 +246,18 @@ class SpeculativeEngine:
         if len(active) == 1:  # alone: the single-sequence forward over its own cache row
             [(slot, seq)] = active.items()
             n = len(seq.committed)
-            logits = model(torch.tensor([[seq.committed[-1], *drafts[slot][0]]], device=model.device), n - 1, seq.cache)
-            index = {slot: 0}
-        else:  # every slot in one ragged forward; idle slots compute a throwaway token at position 0
-            width = 1 + max(len(d[0]) for d in drafts.values())
-            tokens = [[0] * width for _ in range(slots)]
-            starts = [0] * slots
-            for slot, seq in active.items():
-                row = [seq.committed[-1], *drafts[slot][0]]
-                tokens[slot][:len(row)] = row
-                starts[slot] = len(seq.committed) - 1
-            logits = model.forward_rows(torch.tensor(tokens, device=model.device), starts, cache)
-            index = {slot: slot for slot in active}
-        rows = {slot: logits[i] for slot, i in index.items()}
+            logits = model(torch.tensor([[seq.committed[-1], *drafts[slot][0]]], device=model.device), n - 1, seq.cache)[0]
+            spans = {slot: (0, logits.shape[0])}
+        else:  # every active row in one packed forward over its cache row
+            ragged = Ragged.pack(list(active), [len(seq.committed) - 1 for seq in active.values()],
+                                 [[seq.committed[-1], *drafts[slot][0]] for slot, seq in active.items()], model.device)
+            logits = model.forward_ragged(ragged, cache)
+            spans = {slot: (o, o + n) for slot, o, n in zip(active, ragged.offsets, ragged.lengths)}
+        rows = {slot: logits[lo:hi] for slot, (lo, hi) in spans.items()}
         choices = {}
         if any(seq.sampler.params.greedy for seq in active.values()):  # one host read for every greedy row
             picked = logits.argmax(-1).tolist()
-            choices = {slot: picked[index[slot]] for slot, seq in active.items() if seq.sampler.params.greedy}
+            choices = {slot: picked[slice(*spans[slot])] for slot, seq in active.items() if seq.sampler.params.greedy}
         verify_s = time.perf_counter() - t1
         for slot, seq in active.items():
             draft, confs, passes, draft_s = drafts[slot]
@@ -292,13 +288,11 @@ class DecodeBatch:
         self.slots = slots
         self.max_total = max_total
         self.max_new_tokens = max_new_tokens
-        # a batched round pads short drafts up to the longest; pad positions need room too
-        capacity = max_total + (max_new_tokens if slots > 1 else 0)
-        self.cache = engine.target.model.new_cache(capacity, batch=slots)
+        self.cache = engine.target.model.new_cache(max_total, batch=slots)
         drafter = engine.drafter
         self.drafters = [drafter] + [copy.copy(drafter) for _ in range(slots - 1)]
         # drafters that batch their passes share one cache, a row per slot (room for padding too)
-        self.shared = (drafter.model.new_cache(drafter.batch_capacity(capacity), batch=slots)
+        self.shared = (drafter.model.new_cache(drafter.batch_capacity(max_total), batch=slots)
                        if slots > 1 and getattr(drafter, "batchable", False) else None)
         self.active: dict[int, _Sequence] = {}  # slot -> sequence
 
@@ -341,6 +335,6 @@ class DecodeBatch:
         """One round for every running row; (index, result) of the rows that finished in it."""
         if not self.active:
             return []
-        self.engine._round(self.active, self.cache, self.slots, self.drafters, self.shared)
+        self.engine._round(self.active, self.cache, self.drafters, self.shared)
         done = [slot for slot, seq in self.active.items() if seq.finished]
         return [(seq.index, seq.result(self.engine.target.tokenizer)) for seq in (self.active.pop(s) for s in done)]

@@ -6,6 +6,7 @@ import torch
 
 from failfast.drafters.base import ModelDrafter, common_prefix_len
 from failfast.model.kv_cache import KVCache
+from failfast.model.ragged import Ragged
 
 
 class ARDrafter(ModelDrafter):
@@ -17,7 +18,6 @@ class ARDrafter(ModelDrafter):
     """
 
     batchable = True
-    batch_width = 8  # rows with more pending tokens (a prompt after joining) step alone
 
     def prepare(self, total_len: int, cache: KVCache | None = None) -> None:
         self._allocate(total_len + 1, total_len, cache)
@@ -48,33 +48,26 @@ class ARDrafter(ModelDrafter):
         return tokens, confs
 
     def batch_capacity(self, positions: int) -> int:
-        """Positions per row of a batch's shared cache: room for a padded step past `positions`."""
-        return positions + 1 + self.batch_width
+        """Positions per row of a batch's shared cache: as many as one row needs."""
+        return positions + 1
 
     @staticmethod
     def draft_rows(drafters: list["ARDrafter"], wants: dict[int, int],
                    shared: KVCache) -> dict[int, tuple[list[int], list[float]]]:
-        """One draft token for each slot in `wants`, in one forward over every slot of
-        `shared` (`drafters[slot]` drafts into `shared.row(slot)`). Other slots compute
-        throwaway tokens at and past their cached length, which they overwrite before reading.
-        A row with more than `batch_width` pending tokens (its prompt, after joining) steps
-        alone, so that one long row does not widen every row's forward."""
+        """One draft token for each slot in `wants`, in one packed forward over those slots'
+        rows of `shared` (`drafters[slot]` drafts into `shared.row(slot)`): each row feeds its
+        pending tokens (after a round, its accepted tokens and bonus; a joining row, its prompt)."""
+        model = drafters[next(iter(wants))].model
+        slots = list(wants)
+        ragged = Ragged.pack(slots, [drafters[s].cache.length for s in slots], [drafters[s]._pending for s in slots],
+                             model.device)
+        last = [o + n - 1 for o, n in zip(ragged.offsets, ragged.lengths)]
+        logits = model.forward_ragged(ragged, shared, logits_at=torch.tensor(last, device=model.device),
+                                      head_weight=drafters[slots[0]].head_weight)
         out: dict[int, tuple[list[int], list[float]]] = {}
-        for slot in [s for s in wants if len(drafters[s]._pending) > ARDrafter.batch_width]:
-            out[slot] = drafters[slot].draft(1)
-        wanted = [slot for slot in wants if slot not in out]
-        if not wanted:
-            return out
-        width = max(len(drafters[slot]._pending) for slot in wanted)
-        tokens = [[0] * width for _ in drafters]
-        for slot in wanted:
-            tokens[slot][:len(drafters[slot]._pending)] = drafters[slot]._pending
-        model = drafters[wanted[0]].model
-        logits = model.forward_rows(torch.tensor(tokens, device=model.device), [d.cache.length for d in drafters], shared,
-                                    head_weight=drafters[wanted[0]].head_weight)
-        for slot in wanted:
+        for slot, row_logits in zip(slots, logits):
             d = drafters[slot]
             d.cache.length += len(d._pending)
-            tok, conf = d._advance(logits[slot, len(d._pending) - 1])
+            tok, conf = d._advance(row_logits)
             out[slot] = ([tok], [conf])
         return out

@@ -28,6 +28,7 @@ from failfast.drafters.base import ModelDrafter, common_prefix_len
 from failfast.errors import IncompatibleModelsError, PolicyError
 from failfast.model import LoadedModel
 from failfast.model.kv_cache import KVCache
+from failfast.model.ragged import Ragged
 
 
 DENOISE_MODES = ("prefix", "sub-block", "full-block")
@@ -200,10 +201,9 @@ class BlockDiffusionDrafter(ModelDrafter):
         return tokens, confs
 
     def batch_capacity(self, positions: int) -> int:
-        """Positions per row of a batch's shared cache: blocks up to `positions` plus the
-        current block and room for a padded pass past it (`draft_rows`)."""
+        """Positions per row of a batch's shared cache: as many as one row needs."""
         b = self.block_size
-        return -(-positions // b) * b + 2 * b
+        return -(-positions // b) * b + b
 
     @staticmethod
     def draft_rows(drafters: list["BlockDiffusionDrafter"], wants: dict[int, int],
@@ -231,22 +231,15 @@ class BlockDiffusionDrafter(ModelDrafter):
 
     @staticmethod
     def _run_passes(drafters: list["BlockDiffusionDrafter"], plans: dict[int, _Pass], shared: KVCache) -> None:
-        """Several rows' passes in one forward; short rows are padded with positions in the
-        block after their current one, which holds nothing yet."""
+        """Several rows' passes in one packed forward, each row block-causal up to its own
+        context end."""
         first = drafters[next(iter(plans))]
-        width = max(plan.hi - plan.lo for plan in plans.values())
-        tokens, positions, context_ends, rows, cols = [], [], [], [], []
-        for b, (slot, plan) in enumerate(plans.items()):
-            d = drafters[slot]
-            base, n = d.cache.length, plan.hi - plan.lo
-            tokens.append(d.block[plan.lo:plan.hi] + [d.mask_id] * (width - n))
-            positions.append([*range(base + plan.lo, base + plan.hi), *range(base + d.block_size, base + d.block_size + width - n)])
-            context_ends.append(base + plan.context_end)
-            rows += [b] * len(plan.masked)
-            cols += [j - 1 - plan.lo for j in plan.masked]  # token shift
-        device = first.model.device
-        logits = first.model.denoise_rows(torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
-                                          context_ends, shared.rows(list(plans)), first.block_size, (rows, cols),
-                                          first.head_weight)
+        model = first.model
+        ragged = Ragged.pack(list(plans), [drafters[slot].cache.length + plan.lo for slot, plan in plans.items()],
+                             [drafters[slot].block[plan.lo:plan.hi] for slot, plan in plans.items()], model.device)
+        context_ends = [drafters[slot].cache.length + plan.context_end for slot, plan in plans.items()]
+        at = [offset + j - 1 - plan.lo for offset, plan in zip(ragged.offsets, plans.values()) for j in plan.masked]
+        logits = model.forward_ragged(ragged, shared, block_size=first.block_size, context_ends=context_ends,
+                                      logits_at=torch.tensor(at, device=model.device), head_weight=first.head_weight)
         for part, (slot, plan) in zip(logits.split([len(p.masked) for p in plans.values()]), plans.items()):
             drafters[slot]._apply_pass(plan, part)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from failfast.model.ragged import Ragged
 
 
 class KVCache:
@@ -23,33 +28,25 @@ class KVCache:
 
     def row(self, index: int) -> "KVCache":
         """A one-row cache sharing row `index`'s storage, with its own length: a sequence of a
-        batch prefills and decodes alone through it, and joins batched forwards (`write_at`)."""
+        batch prefills and decodes alone through it, and joins batched forwards (`write_ragged`)."""
         view = KVCache.__new__(KVCache)
         view.keys = [k[index:index + 1] for k in self.keys]
         view.values = [v[index:index + 1] for v in self.values]
         view.capacity, view.length = self.capacity, 0
         return view
 
-    def rows(self, index: list[int]) -> "KVCache":
-        """Rows `index` of this batch cache, for a forward over only those rows: entry b of the
-        forward writes and reads row index[b] in place (`write_at`)."""
-        return _RowSubset(self, index)
-
-    def _row_ids(self, batch: int, device: torch.device) -> torch.Tensor:
-        """The cache row of each of a forward's `batch` rows."""
-        return torch.arange(batch, device=device)
-
-    def write_at(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 read_end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store K/V [B, H, T, D] of row b at positions[b] ([B, T], any per-row offsets) and
-        return every row's keys/values up to `read_end` (a batched forward masks per row)."""
-        rows = self._row_ids(k.shape[0], k.device)[:, None].expand_as(positions)
-        self.keys[layer][rows, :, positions] = k.transpose(1, 2)
-        self.values[layer][rows, :, positions] = v.transpose(1, 2)
-        return self._read(layer, read_end)
-
-    def _read(self, layer: int, read_end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[layer][:, :, :read_end], self.values[layer][:, :, :read_end]
+    def write_ragged(self, layer: int, ragged: "Ragged", k: torch.Tensor, v: torch.Tensor,
+                     read_end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store packed K/V [N, H, D] of a ragged forward at each token's cache row and
+        position, and return its rows' keys/values [rows, H, read_end, D] (the batch's own
+        storage when the forward covers every row in order, else a gathered copy)."""
+        self.keys[layer][ragged.cache_row_of, :, ragged.positions[0]] = k
+        self.values[layer][ragged.cache_row_of, :, ragged.positions[0]] = v
+        keys, values = self.keys[layer][:, :, :read_end], self.values[layer][:, :, :read_end]
+        if ragged.rows != list(range(keys.shape[0])):
+            index = torch.tensor(ragged.rows, device=keys.device)
+            keys, values = keys[index], values[index]
+        return keys, values
 
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self.length:
@@ -66,18 +63,3 @@ class KVCache:
         read = max(end, context_end or 0)
         return self.keys[layer][:, :, :read], self.values[layer][:, :, :read]
 
-
-class _RowSubset(KVCache):
-    """`KVCache.rows`: a view of some rows of a batch cache (reads gather those rows)."""
-
-    def __init__(self, parent: KVCache, index: list[int]) -> None:
-        self.keys, self.values, self.capacity, self.length = parent.keys, parent.values, parent.capacity, 0
-        self.index = torch.tensor(index, device=parent.keys[0].device)
-
-    def _row_ids(self, batch: int, device: torch.device) -> torch.Tensor:
-        if batch != self.index.shape[0]:
-            raise ValueError(f"a forward of {batch} rows over a view of {self.index.shape[0]} cache rows")
-        return self.index
-
-    def _read(self, layer: int, read_end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[layer][self.index, :, :read_end], self.values[layer][self.index, :, :read_end]

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from failfast.model.config import ModelConfig
 from failfast.model.kv_cache import KVCache
+from failfast.model.ragged import Ragged
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 # Rows per 16-bit matmul call. CPU kernels pick their blocking by row count, and past ~32 rows
@@ -76,11 +77,10 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", 1.0 / (theta ** exponent), persistent=False)
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos, sin for positions [T] ([T, D], shared by the batch) or [B, T] ([B, 1, T, D])."""
+        """cos, sin [T, D] for positions [T] (shared by the rows of a batch; a packed forward's
+        rows are one sequence)."""
         freqs = positions.float()[..., None] * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
-        if positions.dim() == 2:
-            emb = emb[:, None]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -143,23 +143,28 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None,
-                cache: KVCache | None, layer: int, start: int | Tensor, context_end: int | None) -> Tensor:
-        """`start`: the first position of every row, or per-row positions [B, T] (`forward_rows`)."""
+                cache: KVCache | None, layer: int, start: int | Ragged, context_end: int | None) -> Tensor:
+        """`start`: the first position of every row, or a packed forward of several cache rows
+        (`Ragged`; x is [1, N, hidden], attention runs on its padded layout)."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if isinstance(start, Tensor):
-            k, v = cache.write_at(layer, start, k, v, context_end)
+        if isinstance(start, Ragged):
+            k, v = cache.write_ragged(layer, start, k[0].transpose(0, 1), v[0].transpose(0, 1), context_end)
+            q = start.to_padded(q[0].transpose(0, 1)).transpose(1, 2)  # [rows, heads, width, head_dim]
         elif cache is not None:
             k, v = cache.write(layer, start, k, v, context_end)
         if cache is not None and q.dtype in HALF_DTYPES:
             out = batch_invariant_attention(q, k, v, mask)  # inference in 16 bits: lossless verification
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        out = out.transpose(1, 2)
+        if isinstance(start, Ragged):
+            out = start.to_packed(out)[None]
+        return self.o_proj(out.reshape(b, t, self.n_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -182,7 +187,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None,
-                cache: KVCache | None, layer: int, start: int | Tensor, context_end: int | None) -> Tensor:
+                cache: KVCache | None, layer: int, start: int | Ragged, context_end: int | None) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, layer, start, context_end)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -221,7 +226,7 @@ class Transformer(nn.Module):
                        self.dtype, self.device, batch)
 
     def _hidden(self, tokens: Tensor, positions: Tensor, mask: Tensor | None,
-                cache: KVCache | None, start: int | Tensor, context_end: int | None = None) -> Tensor:
+                cache: KVCache | None, start: int | Ragged, context_end: int | None = None) -> Tensor:
         x = self.model.embed_tokens(tokens)
         rope = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
@@ -263,43 +268,28 @@ class Transformer(nn.Module):
     def _head(self, hidden: Tensor, head_weight: Tensor | None) -> Tensor:
         return self.lm_head(hidden) if head_weight is None else linear(hidden, head_weight)
 
-    def forward_rows(self, tokens: Tensor, starts: list[int], cache: KVCache,
-                     head_weight: Tensor | None = None) -> Tensor:
-        """Causal logits [B, T, V] for row b's tokens at positions starts[b]..starts[b]+T-1,
-        each row attending to its own cache row (a batch's verification forward, ragged).
+    def forward_ragged(self, ragged: Ragged, cache: KVCache, *, block_size: int | None = None,
+                       context_ends: list[int] | None = None, logits_at: Tensor | None = None,
+                       head_weight: Tensor | None = None) -> Tensor:
+        """Logits [N, V] for the packed tokens of several cache rows in one forward (a batch's
+        verification or drafting step), or for the packed indices `logits_at` only.
 
-        Row b's cache must hold its positions [0, starts[b]); K/V are written at the new
-        positions, lengths are the caller's (`KVCache.row` views). Rows shorter than T are
-        padded by the caller: their extra positions write K/V past the row's tokens that a
-        later forward overwrites before any query can see them.
+        Row i's cache row must hold its positions [0, starts[i]); its tokens' K/V are written
+        at their positions, and cache lengths are the caller's (`KVCache.row` views). Causal;
+        or, with `block_size`, block-causal up to `context_ends[i]` (scratch passes of a
+        block-diffusion drafter, which read K/V earlier passes wrote up there).
         """
-        b, t = tokens.shape
-        end = max(starts) + t
-        if end > cache.capacity:
-            raise ValueError(f"positions up to {end} exceed the cache capacity {cache.capacity}")
-        positions = torch.tensor(starts, device=tokens.device)[:, None] + torch.arange(t, device=tokens.device)
-        mask = attention_mask(positions, torch.arange(end, device=tokens.device), None)[:, None]  # [B, 1, T, end]
-        return self._head(self._hidden(tokens, positions, mask, cache, positions, end), head_weight)
-
-    def denoise_rows(self, tokens: Tensor, positions: Tensor, context_ends: list[int], cache: KVCache,
-                     block_size: int, logits_at: tuple[list[int], list[int]],
-                     head_weight: Tensor | None = None) -> Tensor:
-        """Block-diffusion scratch passes of several rows in one forward: row b's tokens at
-        `positions[b]` attend block-causally to its cache row's keys below `context_ends[b]`,
-        as `forward(commit=False, context_end=...)` does for one row. Logits [N, V] at the
-        (row, index) pairs `logits_at`. `cache` may be `KVCache.rows` (only those rows run);
-        the caller pads short rows with positions at or past every context end, which no
-        query of a real token reads. Cache lengths are not changed.
-        """
-        read_end = max(context_ends)
-        if int(positions.max()) >= cache.capacity:
-            raise ValueError(f"positions up to {int(positions.max())} exceed the cache capacity {cache.capacity}")
-        ends = torch.tensor(context_ends, device=tokens.device)[:, None, None]
-        keys = torch.arange(read_end, device=tokens.device)
-        mask = (attention_mask(positions, keys, block_size) & (keys < ends))[:, None]  # [B, 1, T, read_end]
-        hidden = self._hidden(tokens, positions, mask, cache, positions, read_end)
-        rows, cols = logits_at
-        return self._head(hidden[rows, cols], head_weight)
+        device = ragged.tokens.device
+        ends = [s + n for s, n in zip(ragged.starts, ragged.lengths)] if context_ends is None else context_ends
+        read_end = max(max(ends), max(s + n for s, n in zip(ragged.starts, ragged.lengths)))
+        if read_end > cache.capacity:
+            raise ValueError(f"positions up to {read_end} exceed the cache capacity {cache.capacity}")
+        keys = torch.arange(read_end, device=device)
+        allowed = attention_mask(ragged.padded_positions(), keys, block_size)
+        if context_ends is not None:
+            allowed &= keys < torch.tensor(context_ends, device=device)[:, None, None]
+        hidden = self._hidden(ragged.tokens, ragged.positions[0], allowed[:, None], cache, ragged, read_end)
+        return self._head(hidden[0] if logits_at is None else hidden[0, logits_at], head_weight)
 
     def hidden_masked(self, tokens: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
         """Final hidden states of a cache-free forward with an explicit [T, T] attention mask.
