@@ -276,7 +276,7 @@ def _add_model_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--full-draft-vocab", action="store_true",
                    help="ignore the drafter's draft_vocab.json (its output head over every token)")
     g.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
-                   help="auto: float32 on CPUs, bfloat16 on CUDA (README, \"Precision\")")
+                   help="auto: bfloat16 on CUDA and on AVX512-BF16 CPUs without AMX, float32 elsewhere (README, \"Precision\")")
     g.add_argument("--drafter-dtype", choices=sorted(DTYPES),
                    help="the drafter's dtype (default: --dtype's); drafts only, so never changes the output")
     g.add_argument("--device", default="cpu")
