@@ -42,6 +42,8 @@ AR_SD_FLAGS := --steps 1000 --lr 1e-3 --warmup 50 --save-every 50
 DLLM_SD_FLAGS := --steps 1000 --lr 1e-3 --warmup 50 --save-every 50 --block-size 32 --sub-block-size 8
 AR_SD2_FLAGS := --steps 1500 --lr 1e-3 --warmup 50 --save-every 50
 DLLM_SD2_FLAGS := --steps 2450 --lr 1e-3 --warmup 50 --save-every 50 --block-size 32 --sub-block-size 8
+# A second pass for the block-diffusion drafter (in progress; not in `models` until it beats sd2).
+DLLM_SD3_FLAGS := --steps 2000 --lr 1e-3 --warmup 50 --save-every 50 --block-size 32 --sub-block-size 8 --seed 1
 # Each drafter's reduced output head: the target's 2048 most frequent tokens (96% of what it
 # writes; README "Draft vocabulary").
 DRAFT_VOCAB := 2048
@@ -98,6 +100,12 @@ $(RUNS)/drafter-ar-sd2/training.json: $(RUNS)/drafter-ar-sd/training.json
 $(RUNS)/drafter-dllm-sd2/training.json: $(RUNS)/drafter-dllm-sd/training.json
 	$(TRAIN) diffusion --init $(RUNS)/drafter-dllm-sd --rows $(RUNS)/selfdistill --out $(RUNS)/drafter-dllm-sd2 $(DLLM_SD2_FLAGS) $(COMMON)
 	$(TRAIN) draft-vocab --rows $(RUNS)/selfdistill --out $(RUNS)/drafter-dllm-sd2 --draft-vocab-size $(DRAFT_VOCAB)
+
+# Second pass over the same rows, seed 1 (training/README.md: started 2026-12-04 from the shipped
+# 16-bit copy of sd2; continues from its committed resume point).
+$(RUNS)/drafter-dllm-sd3/training.json: $(RUNS)/drafter-dllm-sd2/training.json
+	$(TRAIN) diffusion --init $(RUNS)/drafter-dllm-sd2 --rows $(RUNS)/selfdistill --out $(RUNS)/drafter-dllm-sd3 $(DLLM_SD3_FLAGS) $(call RESUME_POINT,drafter-dllm-sd3) $(COMMON)
+	$(TRAIN) draft-vocab --rows $(RUNS)/selfdistill --out $(RUNS)/drafter-dllm-sd3 --draft-vocab-size $(DRAFT_VOCAB)
 
 # Copy the trained models into the package with model cards (after `make models`).
 ship-models: venv
