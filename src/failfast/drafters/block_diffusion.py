@@ -51,6 +51,11 @@ class _Pass:
     end: int
     context_end: int
 
+    @property
+    def logit_indices(self) -> list[int]:
+        """Where among the pass's tokens each masked position's logits are read (token shift)."""
+        return [j - 1 - self.lo for j in self.masked]
+
 
 class BlockDiffusionDrafter(ModelDrafter):
     """Batches (docs/design.md, "Batching"): each row's copy drafts into its row of one shared
@@ -166,7 +171,7 @@ class BlockDiffusionDrafter(ModelDrafter):
         base = self.cache.length
         logits = self.model(self._tensor(self.block[plan.lo:plan.hi]), base + plan.lo, self.cache,
                             block_size=self.block_size, commit=False, context_end=base + plan.context_end,
-                            logits_at=[j - 1 - plan.lo for j in plan.masked],  # token shift
+                            logits_at=plan.logit_indices,
                             head_weight=self.head_weight)
         self._apply_pass(plan, logits[0])
 
@@ -238,7 +243,7 @@ class BlockDiffusionDrafter(ModelDrafter):
         ragged = Ragged.pack(list(plans), [drafters[slot].cache.length + plan.lo for slot, plan in plans.items()],
                              [drafters[slot].block[plan.lo:plan.hi] for slot, plan in plans.items()], model.device)
         context_ends = [drafters[slot].cache.length + plan.context_end for slot, plan in plans.items()]
-        at = [offset + j - 1 - plan.lo for offset, plan in zip(ragged.offsets, plans.values()) for j in plan.masked]
+        at = [offset + i for offset, plan in zip(ragged.offsets, plans.values()) for i in plan.logit_indices]
         logits = model.forward_ragged(ragged, shared, block_size=first.block_size, context_ends=context_ends,
                                       logits_at=torch.tensor(at, device=model.device), head_weight=first.head_weight)
         for part, (slot, plan) in zip(logits.split([len(p.masked) for p in plans.values()]), plans.items()):

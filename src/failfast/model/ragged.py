@@ -10,6 +10,7 @@ undone by indexing.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Sequence
 
 import torch
@@ -25,6 +26,7 @@ class Ragged:
     rows: list[int]    # the cache row of each of the forward's rows
     starts: list[int]
     lengths: list[int]
+    offsets: list[int]  # where each row's tokens begin in the packed sequence
     row_of: Tensor     # [N]: index i of each token's row
     col_of: Tensor     # [N]: index of each token within its row
     cache_row_of: Tensor  # [N]: each token's cache row
@@ -35,26 +37,18 @@ class Ragged:
         lengths = [len(t) for t in tokens]
         if not lengths or min(lengths) < 1 or not len(rows) == len(starts) == len(lengths):
             raise ValueError("a ragged forward needs one start and at least one token per row")
+        offsets = [0, *accumulate(lengths[:-1])]
         row_of = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-        offsets = torch.tensor([0, *lengths[:-1]]).cumsum(0)
-        col_of = torch.arange(row_of.shape[0]) - offsets[row_of]
+        col_of = torch.arange(row_of.shape[0]) - torch.tensor(offsets)[row_of]
         positions = torch.tensor(list(starts))[row_of] + col_of
         flat = [t for row in tokens for t in row]
         return Ragged(torch.tensor([flat], device=device), positions[None].to(device), list(rows), list(starts),
-                      lengths, row_of.to(device), col_of.to(device), torch.tensor(list(rows))[row_of].to(device))
+                      lengths, offsets, row_of.to(device), col_of.to(device),
+                      torch.tensor(list(rows))[row_of].to(device))
 
     @property
     def width(self) -> int:
         return max(self.lengths)
-
-    @property
-    def offsets(self) -> list[int]:
-        """Where each row's tokens begin in the packed sequence."""
-        out, at = [], 0
-        for n in self.lengths:
-            out.append(at)
-            at += n
-        return out
 
     def padded_positions(self) -> Tensor:
         """[rows, width] positions; a padding entry repeats its row's first position, so its

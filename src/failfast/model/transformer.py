@@ -280,8 +280,7 @@ class Transformer(nn.Module):
         block-diffusion drafter, which read K/V earlier passes wrote up there).
         """
         device = ragged.tokens.device
-        ends = [s + n for s, n in zip(ragged.starts, ragged.lengths)] if context_ends is None else context_ends
-        read_end = max(max(ends), max(s + n for s, n in zip(ragged.starts, ragged.lengths)))
+        read_end = max([s + n for s, n in zip(ragged.starts, ragged.lengths)] + (context_ends or []))
         if read_end > cache.capacity:
             raise ValueError(f"positions up to {read_end} exceed the cache capacity {cache.capacity}")
         keys = torch.arange(read_end, device=device)
