@@ -36,7 +36,11 @@ STAGES = {
                       ("block-diffusion conversion, distilled from the first target", "drafter-dllm"),
                       ("block-diffusion training, distilled from the first target", "drafter-dllm-long"),
                       ("block diffusion on the target's self-distilled continuations", "drafter-dllm-sd"),
-                      ("more block diffusion on all self-distilled continuations", "drafter-dllm-sd2")]),
+                      ("more block diffusion on all self-distilled continuations", "drafter-dllm-sd2"),
+                      ("a second pass over the self-distilled continuations (seed 1)", "drafter-dllm-sd3")]),
+    "dflash-drafter": ("DFlash-style block drafter: reads the target's layer outputs, shares its embedding and "
+                       "output head (z-lab's DFlashDraftModel layout)",
+                       [("DFlash training on the target's self-distilled continuations", "dflash-drafter")]),
 }
 SHARD_BYTES = 16 * 2**20  # keep every shipped file small
 
@@ -88,19 +92,24 @@ def card(name: str, title: str, stages: list[tuple[str, str]], runs: Path, manif
     loaded = load_model(weights_folder(name, stages, runs))
     cfg = loaded.config
     params = sum(p.numel() for p in loaded.model.parameters())
+    family = "Qwen3 decoder layers" if cfg.qk_norm else "Qwen2 architecture"
     lines = [
         f"# failfast embedded model: {name}",
         "",
-        f"{title}. Qwen2 architecture, trained from scratch by failfast on CPU.",
+        f"{title}. {family}, trained from scratch by failfast on CPU.",
         "",
         "| | |", "|---|---|",
-        f"| parameters | {params / 1e6:.2f}M (tied input/output embeddings) |",
+        f"| parameters | {params / 1e6:.2f}M "
+        f"({'plus the target embedding and head it shares' if cfg.is_dflash else 'tied input/output embeddings'}) |",
         f"| shape | {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, MLP {cfg.intermediate_size}, "
         f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads, context {cfg.max_position_embeddings} |",
         f"| vocabulary | {cfg.vocab_size} (byte-level BPE on the corpus; `<|endoftext|>` id {cfg.eos_token_ids[0]}, "
         f"`<|mask|>` id {loaded.tokenizer.token_id('<|mask|>')}) |",
     ]
-    if cfg.block_size:
+    if cfg.is_dflash:
+        lines.append(f"| DFlash | block size {cfg.block_size}, mask token id {cfg.mask_token_id}, reads target layers "
+                     f"{', '.join(map(str, cfg.target_layer_ids))} |")
+    elif cfg.block_size:
         lines.append(f"| block diffusion | block size {cfg.block_size}, sub-block {cfg.sub_block_size}, "
                      f"mask token id {cfg.mask_token_id} |")
     lines.append(f"| data | Python {platform.python_version()} standard library source: {manifest['train_files']} "

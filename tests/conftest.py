@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import tiny_config, write_model
-from tests.synthetic import BLOCK, train_pair
+from tests.helpers import tiny_config, tiny_dflash_config, write_model
+from tests.synthetic import BLOCK, train_dflash_drafter, train_pair
 
 
 @pytest.fixture
@@ -20,6 +20,7 @@ def random_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("random")
     target = write_model(root / "target", tiny_config(eos_token_ids=()), seed=0)
     return {
+        "random-dflash": write_model(root / "dflash", tiny_dflash_config(tiny_config(eos_token_ids=())), seed=11),
         "target": target,
         "self": target,  # AR drafter sharing the target's weights: full acceptance
         "random-ar": write_model(root / "ar", tiny_config(eos_token_ids=()), seed=7),
@@ -32,3 +33,10 @@ def random_models(tmp_path_factory) -> dict[str, Path]:
 def trained_pair(tmp_path_factory) -> tuple[Path, Path]:
     return train_pair(tmp_path_factory.mktemp("trained"))
 
+
+
+@pytest.fixture(scope="session")
+def trained_dflash(trained_pair, tmp_path_factory) -> tuple[Path, Path]:
+    """(counting target, DFlash drafter trained on its features)."""
+    target_dir, _ = trained_pair
+    return target_dir, train_dflash_drafter(tmp_path_factory.mktemp("dflash"), target_dir)

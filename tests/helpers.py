@@ -1,4 +1,4 @@
-"""Test helpers: tiny random Qwen2 checkpoints written to disk, prompts."""
+"""Test helpers: tiny random Qwen2 / Qwen3 / DFlash checkpoints written to disk, prompts."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 
 from failfast.model import ModelConfig, Transformer
 from failfast.model.checkpoint import save_model
+from failfast.model.dflash import DFlashModel
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -19,10 +20,21 @@ def tiny_config(**overrides) -> ModelConfig:
     return ModelConfig(**base)
 
 
-def random_model(cfg: ModelConfig, seed: int, scale: float = 0.5) -> Transformer:
+def tiny_dflash_config(target: ModelConfig, **overrides) -> ModelConfig:
+    """A DFlash drafter for `target` (its hidden size; Qwen3 layers) reading its layers 0 and last."""
+    base = dict(vocab_size=target.vocab_size, hidden_size=target.hidden_size, intermediate_size=48,
+                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                max_position_embeddings=target.max_position_embeddings, model_type="qwen3", qk_norm=True,
+                attention_bias=False, mask_token_id=target.vocab_size - 1, block_size=4,
+                target_layer_ids=(0, target.num_hidden_layers - 1), eos_token_ids=target.eos_token_ids)
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def random_model(cfg: ModelConfig, seed: int, scale: float = 0.5) -> Transformer | DFlashModel:
     """A random model whose logits are spread enough that greedy choices are not near-ties."""
     torch.manual_seed(seed)
-    model = Transformer(cfg).to(torch.float64)
+    model = (DFlashModel(cfg) if cfg.is_dflash else Transformer(cfg)).to(torch.float64)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

@@ -1,10 +1,10 @@
-"""Our transformer's logits equal transformers' Qwen2ForCausalLM (float64, CPU)."""
+"""Our transformer's logits equal transformers' Qwen2ForCausalLM / Qwen3ForCausalLM (float64, CPU)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM
 
 from failfast.model import load_model
 from tests.helpers import tiny_config, write_model
@@ -15,6 +15,10 @@ CONFIGS = {
     "gqa-deeper": tiny_config(hidden_size=48, num_attention_heads=6, num_key_value_heads=2,
                               num_hidden_layers=3, intermediate_size=80, rope_theta=1e6),
     "mqa": tiny_config(num_key_value_heads=1),
+    # Qwen3: per-head q/k RMSNorm, no q/k/v bias, head_dim from config (here not hidden / heads)
+    "qwen3": tiny_config(model_type="qwen3", qk_norm=True, attention_bias=False, head_dim=16),
+    "qwen3-tied-biased": tiny_config(model_type="qwen3", qk_norm=True, attention_bias=True,
+                                     tie_word_embeddings=True, num_key_value_heads=1),
 }
 
 
@@ -22,7 +26,8 @@ CONFIGS = {
 def test_prefill_and_cached_decode_match_transformers(tmp_path, name):
     folder = write_model(tmp_path / name, CONFIGS[name], seed=3)
     ours = load_model(folder, dtype=torch.float64).model
-    ref = Qwen2ForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+    assert type(ref).__name__ == ("Qwen3ForCausalLM" if CONFIGS[name].qk_norm else "Qwen2ForCausalLM")
     ids = torch.randint(0, 96, (1, 23), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = ref(ids).logits

@@ -1,6 +1,6 @@
 """failfast: lossless speculative decoding with a block-diffusion drafter and dynamic draft length."""
 
-from failfast.drafters import ARDrafter, BlockDiffusionDrafter, Drafter, make_drafter
+from failfast.drafters import ARDrafter, BlockDiffusionDrafter, DFlashDrafter, Drafter, make_drafter
 from failfast.decode.engine import GenerationRequest, GenerationResult, SpeculativeEngine
 from failfast.errors import (CheckpointError, FailfastError, GenerationInputError,
                              IncompatibleModelsError, PolicyError)
@@ -12,7 +12,7 @@ from failfast.decode.stats import GenerationStats, RoundStats
 from failfast.decode.sampling import SamplingParams
 
 __all__ = [
-    "ARDrafter", "BlockDiffusionDrafter", "CheckpointError", "CostAware", "CostProfile", "Drafter", "FailFast",
+    "ARDrafter", "BlockDiffusionDrafter", "CheckpointError", "DFlashDrafter", "CostAware", "CostProfile", "Drafter", "FailFast",
     "FailfastError", "Fixed", "GenerationInputError", "GenerationRequest", "GenerationResult", "GenerationStats",
     "IncompatibleModelsError", "LoadedModel", "Pipeline", "Policy", "PolicyError", "PolicyFactory", "RoundStats",
     "SamplingParams", "SpeculativeEngine", "cost_aware", "load_model", "make_drafter", "measure_costs",

@@ -163,7 +163,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     prompts = load_dataset(args.dataset, args.prompts)
     dtype = resolve_dtype(args.dtype)
     factory = MethodFactory(resolve_model(args.target), resolve_model(args.ar_drafter),
-                            resolve_model(args.dllm_drafter), dtype)
+                            resolve_model(args.dllm_drafter), dtype,
+                            resolve_model(args.dflash_drafter) if any(s.kind == "dflash-drafter" for s in specs) else None)
     results = run_bench(factory, specs, prompts, args.max_new_tokens, args.repeats)
     meta = {"dataset": args.dataset, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
             "repeats": args.repeats, "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."),
@@ -200,19 +201,37 @@ def cmd_train(args: argparse.Namespace) -> int:
     resume_from = Path(args.resume_from) if args.resume_from else None
     rows = Path(args.rows) if args.rows else None
     teacher = Path(args.teacher) if args.teacher else None
-    if args.stage == "ar":
+    if args.stage == "dflash":
+        report = _train_dflash(args, settings, resume_from, rows)
+    elif args.stage == "ar":
         report = train_ar(Path(args.data), Path(args.out), args.size, settings, teacher=teacher,
                           init=Path(args.init) if args.init else None, resume=args.resume or resume_from is not None,
                           resume_from=resume_from, rows=rows)
     else:
         report = convert_to_diffusion(Path(args.init), Path(args.data), Path(args.out), settings,
-                                      block_size=args.block_size, sub_block_size=args.sub_block_size,
+                                      block_size=args.block_size or 32, sub_block_size=args.sub_block_size,
                                       resume=args.resume or resume_from is not None, resume_from=resume_from,
                                       teacher=teacher, suffix_mask_share=args.suffix_mask_share, rows=rows,
                                       decay_gamma=args.decay_gamma)
     print(f"done: {report['steps']} steps, {report['tokens_seen']} tokens, train loss "
           f"{report['final_train_loss']:.3f}, held-out loss {report['held_out_loss']:.3f} -> {args.out}")
     return 0
+
+
+def _train_dflash(args: argparse.Namespace, settings, resume_from: Path | None, rows: Path | None) -> dict:
+    from failfast.embedded import resolve_model
+    from failfast.train.dflash import DEFAULT_DECAY_GAMMA, train_dflash
+
+    if not args.target or not args.data or rows is None:
+        raise GenerationInputError("train dflash needs --target, --data and --rows (the target's self-distillation rows)")
+    try:
+        layer_ids = tuple(int(i) for i in args.target_layers.split(",")) if args.target_layers else None
+    except ValueError:
+        raise GenerationInputError(f"--target-layers must be comma-separated layer indices, got {args.target_layers!r}") from None
+    return train_dflash(resolve_model(args.target), Path(args.data), rows, Path(args.out), settings,
+                        layers=args.layers, target_layer_ids=layer_ids, block_size=args.block_size or 16,
+                        decay_gamma=args.decay_gamma or DEFAULT_DECAY_GAMMA,
+                        resume=args.resume or resume_from is not None, resume_from=resume_from)
 
 
 def _draft_vocab(args: argparse.Namespace) -> int:
@@ -334,26 +353,30 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--target", default=DEFAULT_TARGET)
     b.add_argument("--ar-drafter", default="ar-drafter")
     b.add_argument("--dllm-drafter", default=DEFAULT_DRAFTER)
+    b.add_argument("--dflash-drafter", default="dflash-drafter", help="DFlash drafter of the dflash methods")
     b.add_argument("--threads", type=int, help="torch CPU threads")
     b.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
                    help="auto as for generate; float64 makes the token-identity check immune to rounding near-ties")
     b.set_defaults(func=cmd_bench)
 
-    t = sub.add_parser("train", help="train the embedded models (data, ar, diffusion stages)")
-    t.add_argument("stage", choices=["data", "ar", "diffusion", "selfdistill", "draft-vocab"])
+    t = sub.add_parser("train", help="train the embedded models (data, ar, diffusion, dflash stages)")
+    t.add_argument("stage", choices=["data", "ar", "diffusion", "dflash", "selfdistill", "draft-vocab"])
     t.add_argument("--out", required=True, help="output folder")
     t.add_argument("--corpus", help="[data] folder of .py files (default: this Python's stdlib)")
     t.add_argument("--vocab-size", type=int, default=8192, help="[data] BPE vocabulary size")
     t.add_argument("--draft-vocab-size", type=int, default=2048,
                    help="[draft-vocab] tokens to keep (the target's most frequent) for the drafter folder --out")
-    t.add_argument("--data", help="[ar, diffusion] folder written by the data stage")
+    t.add_argument("--data", help="[ar, diffusion, dflash] folder written by the data stage")
     t.add_argument("--size", default="target", help="[ar] target, drafter or tiny")
     t.add_argument("--init", help="[diffusion] AR model folder to convert; [ar] checkpoint to continue "
                                    "from instead of a fresh --size model (e.g. to distil a pretrained drafter)")
     t.add_argument("--teacher", help="[ar, diffusion] model folder to distil from (e.g. the trained target)")
-    t.add_argument("--rows", help="[ar, diffusion] train on the target's self-distillation rows in this folder "
+    t.add_argument("--rows", help="[ar, diffusion, dflash] train on the target's self-distillation rows in this folder "
                    "(written by the selfdistill stage) instead of the corpus")
-    t.add_argument("--target", help="[selfdistill] the target model whose continuations become training data")
+    t.add_argument("--target", help="[selfdistill] the target model whose continuations become training data; "
+                                    "[dflash] the target whose features the drafter reads")
+    t.add_argument("--layers", type=int, default=2, help="[dflash] drafter decoder layers")
+    t.add_argument("--target-layers", help="[dflash] comma-separated target layers to read (default: low, middle, last)")
     t.add_argument("--tokens", type=int, default=10_000_000, help="[selfdistill] target tokens to generate")
     t.add_argument("--prompt-len", type=int, default=64, help="[selfdistill] corpus tokens before each continuation")
     t.add_argument("--new-tokens", type=int, default=192, help="[selfdistill] target tokens per row")
@@ -362,8 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--temperature", type=float, default=0.8, help="[selfdistill] sampling temperature")
     t.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto", help="[selfdistill] inference dtype")
     t.add_argument("--decay-gamma", type=float,
-                   help="[diffusion] weight the k-th masked token of a block by exp(-(k-1)/gamma)")
-    t.add_argument("--block-size", type=int, default=32)
+                   help="[diffusion, dflash] weight the k-th masked token of a block by exp(-(k-1)/gamma) "
+                        "(dflash default 7)")
+    t.add_argument("--block-size", type=int, help="diffusion default 32, dflash 16")
     t.add_argument("--sub-block-size", type=int, default=8)
     t.add_argument("--suffix-mask-share", type=float, default=0.0,
                    help="[diffusion] share of blocks masked from a random cut to the block's end (the "

@@ -33,7 +33,7 @@ Runner = Callable[[list[int], int, list[int]], MethodOutput]
 @dataclass(frozen=True)
 class MethodSpec:
     name: str
-    kind: str                      # ar | hf | hf-assisted | ar-drafter | dllm-drafter | oracle
+    kind: str                      # ar | hf | hf-assisted | ar-drafter | dllm-drafter | dflash-drafter | oracle
     policy: Policy | PolicyFactory | None = None
     unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD
     denoise: str = DEFAULT_DENOISE  # block-diffusion pass: prefix, sub-block (block cache) or full-block
@@ -47,6 +47,9 @@ class MethodSpec:
         """Another engine on the same weights: its own kernels round differently from ours, so in
         16 bits its tokens may differ from our plain AR (reported, not an error)."""
         return self.kind in ("hf", "hf-assisted")
+
+
+DFLASH_BLOCK = 16  # the shipped DFlash drafter's block
 
 
 def default_methods() -> list[MethodSpec]:
@@ -80,6 +83,9 @@ def default_methods() -> list[MethodSpec]:
         MethodSpec("failfast-cost", "dllm-drafter", cost_aware()),  # costs measured on the first prompt
         MethodSpec("failfast-full-vocab", "dllm-drafter", ff, full_vocab=True),
         MethodSpec("ar-fixed-4-full-vocab", "ar-drafter", Fixed(4), full_vocab=True),
+        # DFlash: one 16-position block drafts 15 tokens; FailFast extends a confident block a block per pass
+        MethodSpec("dflash-fixed-16", "dflash-drafter", Fixed(DFLASH_BLOCK - 1)),
+        MethodSpec("failfast-dflash", "dflash-drafter", FailFast(chunk=DFLASH_BLOCK - 1, max_draft=60)),
         MethodSpec("oracle", "oracle", Fixed(60)),
     ]
 
@@ -87,8 +93,9 @@ def default_methods() -> list[MethodSpec]:
 class MethodFactory:
     """Loads each model once and builds runners that share them."""
 
-    def __init__(self, target: Path, ar_drafter: Path, dllm_drafter: Path, dtype: torch.dtype = torch.float32) -> None:
-        self.paths = {"target": target, "ar": ar_drafter, "dllm": dllm_drafter}
+    def __init__(self, target: Path, ar_drafter: Path, dllm_drafter: Path, dtype: torch.dtype = torch.float32,
+                 dflash_drafter: Path | None = None) -> None:
+        self.paths = {"target": target, "ar": ar_drafter, "dllm": dllm_drafter, "dflash": dflash_drafter}
         self.dtype = dtype
         self.target = load_model(target, dtype=dtype)
         self._loaded: dict[tuple[str, torch.dtype], LoadedModel] = {}
@@ -129,7 +136,7 @@ class MethodFactory:
         if spec.kind == "hf-assisted":
             return self._hf_runner(self._hf_model("ar"), spec.schedule)
         drafter: Drafter | None = None
-        if spec.kind in ("ar-drafter", "dllm-drafter"):  # what make_drafter builds for users, from that checkpoint
+        if spec.kind in ("ar-drafter", "dllm-drafter", "dflash-drafter"):  # what make_drafter builds for users
             drafter = make_drafter(self.target, self._drafter_model(spec.kind.removesuffix("-drafter"), spec.drafter_dtype),
                                    spec.unmask_threshold, spec.denoise, spec.sub_block_size, spec.full_vocab)
         elif spec.kind == "oracle":

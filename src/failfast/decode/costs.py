@@ -68,7 +68,8 @@ def measure_costs(target: LoadedModel, drafter: Drafter, prompt_ids: list[int], 
     model = target.model
     n = len(prompt_ids)
     cache = model.new_cache(n + max(VERIFY_POINTS))
-    model(torch.tensor([prompt_ids], device=model.device), 0, cache, logits_at=slice(0, 0))
+    taps = getattr(drafter, "target_layers", ())  # a DFlash drafter drafts from the prompt's features
+    out = model(torch.tensor([prompt_ids], device=model.device), 0, cache, logits_at=slice(0, 0), taps=taps)
 
     def verify(k: int) -> Callable[[], None]:
         tokens = torch.tensor([prompt_ids[-1:] * k], device=model.device)
@@ -78,6 +79,8 @@ def measure_costs(target: LoadedModel, drafter: Drafter, prompt_ids: list[int], 
             model(tokens, n, cache)
         return run
     drafter.prepare(n + draft_tokens)
+    if taps:
+        drafter.add_context(0, out[1][0, :n - 1])  # type: ignore[attr-defined]
 
     def draft() -> None:
         drafter.begin(list(prompt_ids))

@@ -195,9 +195,17 @@ class SpeculativeEngine:
             drafter.prepare(total)
         model = self.target.model
         if len(seq.committed) > 1:
-            model(torch.tensor([seq.committed[:-1]], device=model.device), 0, cache, logits_at=slice(0, 0))
+            out = model(torch.tensor([seq.committed[:-1]], device=model.device), 0, cache, logits_at=slice(0, 0),
+                        taps=self._taps)
+            if self._taps:
+                drafter.add_context(0, out[1][0])  # type: ignore[union-attr]
             seq.stats.target_forwards += 1
         return seq
+
+    @property
+    def _taps(self) -> tuple[int, ...]:
+        """Target layers whose outputs the drafter reads (a DFlash drafter), else none."""
+        return getattr(self.drafter, "target_layers", ())
 
     def _draft_together(self, active: dict[int, _Sequence], drafters: list, shared: KVCache) -> dict[int, tuple[list[int], list[float]]]:
         """`_draft` for every row at once (a batchable drafter's `draft_rows` serves several
@@ -243,15 +251,19 @@ class SpeculativeEngine:
             keep = self.policy.verify_count(confs) if self.policy is not None else 0
             drafts[slot] = (draft[:keep], confs[:keep], passes, draft_s)
         t1 = time.perf_counter()
+        taps = self._taps
         if len(active) == 1:  # alone: the single-sequence forward over its own cache row
             [(slot, seq)] = active.items()
             n = len(seq.committed)
-            logits = model(torch.tensor([[seq.committed[-1], *drafts[slot][0]]], device=model.device), n - 1, seq.cache)[0]
+            out = model(torch.tensor([[seq.committed[-1], *drafts[slot][0]]], device=model.device), n - 1, seq.cache,
+                        taps=taps)
+            logits, features = (out[0][0], out[1][0]) if taps else (out[0], None)
             spans = {slot: (0, logits.shape[0])}
         else:  # every active row in one packed forward over its cache row
             ragged = Ragged.pack(list(active), [len(seq.committed) - 1 for seq in active.values()],
                                  [[seq.committed[-1], *drafts[slot][0]] for slot, seq in active.items()], model.device)
-            logits = model.forward_ragged(ragged, cache)
+            out = model.forward_ragged(ragged, cache, taps=taps)
+            logits, features = out if taps else (out, None)
             spans = {slot: (o, o + n) for slot, o, n in zip(active, ragged.offsets, ragged.lengths)}
         rows = {slot: logits[lo:hi] for slot, (lo, hi) in spans.items()}
         choices = {}
@@ -269,6 +281,9 @@ class SpeculativeEngine:
             if self.policy is not None:
                 self.policy.observe(confs, accepted)
             seq.cache.length = n + accepted
+            if features is not None:  # the drafter's context grows by the newly cached positions
+                lo = spans[slot][0]
+                seq.drafter.add_context(n - 1, features[lo:lo + accepted + 1])
             seq.stats.target_forwards += 1
             seq.stats.draft_s += draft_s
             seq.stats.verify_s += verify_s

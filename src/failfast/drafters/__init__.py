@@ -1,8 +1,9 @@
-"""Drafters: autoregressive and block-diffusion, behind one `Drafter` protocol."""
+"""Drafters: autoregressive, block-diffusion and DFlash (target-conditioned), behind one `Drafter` protocol."""
 
 from failfast.drafters.autoregressive import ARDrafter
 from failfast.drafters.base import Drafter
 from failfast.drafters.block_diffusion import BlockDiffusionDrafter
+from failfast.drafters.dflash import DFlashDrafter
 from failfast.drafters.factory import make_drafter
 
-__all__ = ["ARDrafter", "BlockDiffusionDrafter", "Drafter", "make_drafter"]
+__all__ = ["ARDrafter", "BlockDiffusionDrafter", "DFlashDrafter", "Drafter", "make_drafter"]

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from failfast.errors import CheckpointError
 from failfast.model.config import ModelConfig
 from failfast.model.device import check_device
+from failfast.model.dflash import DFlashModel
 from failfast.model.tokenizer import Tokenizer
 from failfast.model.transformer import Rotary, Transformer
 
@@ -23,7 +24,7 @@ PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt",
 
 @dataclass
 class LoadedModel:
-    model: Transformer
+    model: Transformer | DFlashModel  # DFlashModel for a DFlash drafter (config.is_dflash)
     config: ModelConfig
     tokenizer: Tokenizer | None
     path: Path
@@ -84,12 +85,12 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
         raise CheckpointError(f"model folder {folder} does not exist")
     cfg = read_config(folder)
     state = _read_weights(_weight_files(folder))
-    if cfg.tie_word_embeddings:
+    tied = cfg.tie_word_embeddings and not cfg.is_dflash
+    if tied:
         state.pop("lm_head.weight", None)
     with torch.device("meta"):
-        model = Transformer(cfg)
-    expected = {k: v.shape for k, v in model.state_dict().items()
-                if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+        model = DFlashModel(cfg) if cfg.is_dflash else Transformer(cfg)
+    expected = {k: v.shape for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
@@ -101,7 +102,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
                                   f"config.json implies {tuple(shape)}")
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
+    if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary = Rotary(cfg.head_dim, cfg.rope_theta).to(device)
     model.eval().requires_grad_(False)
@@ -124,7 +125,7 @@ def _shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, to
     return groups
 
 
-def save_model(model: Transformer, path: str | Path, *, dtype: torch.dtype | None = None,
+def save_model(model: Transformer | DFlashModel, path: str | Path, *, dtype: torch.dtype | None = None,
                tokenizer: Tokenizer | None = None, max_shard_bytes: int | None = None) -> Path:
     """Write config.json + model.safetensors (+ tokenizer.json) in Hugging Face layout; with
     `max_shard_bytes`, weights larger than that go to numbered shards plus an index."""
@@ -136,7 +137,7 @@ def save_model(model: Transformer, path: str | Path, *, dtype: torch.dtype | Non
     (folder / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n")
     state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight")
+        state.pop("lm_head.weight", None)  # a DFlash drafter has none: it uses the target's
     for stale in [folder / SINGLE_FILE, folder / SHARD_INDEX, *folder.glob("model-*-of-*.safetensors")]:
         stale.unlink(missing_ok=True)
     groups = _shards(state, max_shard_bytes) if max_shard_bytes else [state]

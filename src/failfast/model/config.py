@@ -1,4 +1,5 @@
-"""Model configuration read from a Hugging Face `config.json` (Qwen2 family)."""
+"""Model configuration read from a Hugging Face `config.json` (Qwen2 and Qwen3 families, and
+DFlash drafters in z-lab's layout)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ FAST_DLLM_MODEL_TYPE = "Fast_dLLM_Qwen"
 FAST_DLLM_MASK_TOKEN_ID = 151665
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_SUB_BLOCK_SIZE = 8
+DFLASH_ARCHITECTURE = "DFlashDraftModel"  # z-lab's DFlash drafters (docs/design.md, "Target-conditioned drafting")
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,10 @@ class ModelConfig:
     mask_token_id: int | None = None
     block_size: int | None = None
     sub_block_size: int | None = None
+    attention_bias: bool = True  # Qwen2: q/k/v projections have a bias; Qwen3: none
+    qk_norm: bool = False        # Qwen3: per-head RMSNorm of queries and keys
+    # A DFlash drafter reads the outputs of these target layers (block_size: its block).
+    target_layer_ids: tuple[int, ...] | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -45,7 +51,11 @@ class ModelConfig:
 
     @property
     def is_block_diffusion(self) -> bool:
-        return self.block_size is not None
+        return self.block_size is not None and not self.is_dflash
+
+    @property
+    def is_dflash(self) -> bool:
+        return self.target_layer_ids is not None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
@@ -72,7 +82,17 @@ class ModelConfig:
         sub_block = raw.get("small_block_size")
         if block is not None and sub_block is None:
             sub_block = min(DEFAULT_SUB_BLOCK_SIZE, int(block))
-        known = set(cls.__dataclass_fields__)
+        layer_ids = None
+        if DFLASH_ARCHITECTURE in (raw.get("architectures") or []):
+            dflash = raw.get("dflash_config") or {}
+            if "target_layer_ids" not in dflash or "mask_token_id" not in dflash or block is None:
+                raise CheckpointError("a DFlash config.json needs block_size and dflash_config with "
+                                      "target_layer_ids and mask_token_id")
+            layer_ids = tuple(int(i) for i in dflash["target_layer_ids"])
+            if not layer_ids or list(layer_ids) != sorted(set(layer_ids)):
+                raise CheckpointError(f"DFlash target_layer_ids must be distinct and ascending, got {list(layer_ids)}")
+            mask_id, sub_block = dflash["mask_token_id"], None
+        known = set(cls.__dataclass_fields__) | {"dflash_config"}
         return cls(
             vocab_size=int(raw["vocab_size"]),
             hidden_size=int(raw["hidden_size"]),
@@ -90,20 +110,31 @@ class ModelConfig:
             mask_token_id=None if mask_id is None else int(mask_id),
             block_size=None if block is None else int(block),
             sub_block_size=None if sub_block is None else int(sub_block),
+            attention_bias=bool(raw.get("attention_bias", model_type != "qwen3")),
+            qk_norm=model_type == "qwen3",
+            target_layer_ids=layer_ids,
             extra={k: v for k, v in raw.items() if k not in known},
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """A config.json that both failfast and `transformers` Qwen2 can read."""
+        """A config.json that both failfast and `transformers` (Qwen2 / Qwen3) can read; a
+        DFlash drafter's in z-lab's layout."""
         out = {k: v for k, v in asdict(self).items()
-               if k not in ("extra", "eos_token_ids", "block_size", "sub_block_size")}
+               if k not in ("extra", "eos_token_ids", "block_size", "sub_block_size", "qk_norm", "target_layer_ids")}
         out.update(self.extra)
         out["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0]
-        if self.block_size is not None:
+        if self.attention_bias == (self.model_type != "qwen3"):
+            out.pop("attention_bias")  # the family's default (Qwen2 configs have no such field)
+        if self.is_dflash:
+            out["architectures"] = [DFLASH_ARCHITECTURE]
+            out["block_size"] = self.block_size
+            out["dflash_config"] = {"mask_token_id": out.pop("mask_token_id"),
+                                    "target_layer_ids": list(self.target_layer_ids)}
+        elif self.block_size is not None:
             out["bd_size"] = self.block_size
             out["small_block_size"] = self.sub_block_size
         if self.mask_token_id is None:
             out.pop("mask_token_id")
-        out.setdefault("architectures", ["Qwen2ForCausalLM"])
+        out.setdefault("architectures", ["Qwen3ForCausalLM" if self.model_type == "qwen3" else "Qwen2ForCausalLM"])
         out.setdefault("hidden_act", "silu")
         return out

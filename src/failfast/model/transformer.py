@@ -1,11 +1,15 @@
-"""Qwen2-architecture decoder (RMSNorm, RoPE, SwiGLU, GQA, q/k/v bias) over a KVCache.
+"""Qwen2/Qwen3-architecture decoder (RMSNorm, RoPE, SwiGLU, GQA; q/k/v bias for Qwen2,
+per-head q/k RMSNorm for Qwen3) over a KVCache.
 
-Parameter names match Hugging Face `Qwen2ForCausalLM`, so checkpoints load unchanged.
+Parameter names match Hugging Face `Qwen2ForCausalLM` / `Qwen3ForCausalLM`, so checkpoints
+load unchanged.
 Two attention patterns share one implementation, both derived from absolute positions:
 causal (a query at q sees keys k <= q) and block diffusion (q sees k iff q//B >= k//B).
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -137,21 +141,40 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=True)
-        self.k_proj = Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=True)
-        self.v_proj = Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=True)
+        bias = cfg.attention_bias
+        self.q_proj = Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
         self.o_proj = Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's query and key
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def queries(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+        """Rotated queries [B, heads, T, head_dim] of hidden states [B, T, hidden]."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q = self.q_norm(q)
+        return apply_rotary(q.transpose(1, 2), *rope)
+
+    def keys_values(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """Rotated keys and values [B, kv_heads, T, head_dim] of hidden states [B, T, hidden]
+        (a target-conditioned drafter also projects target features with them)."""
+        b, t, _ = x.shape
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
+        if hasattr(self, "k_norm"):
+            k = self.k_norm(k)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        return apply_rotary(k.transpose(1, 2), *rope), v
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None,
                 cache: KVCache | None, layer: int, start: int | Ragged, context_end: int | None) -> Tensor:
         """`start`: the first position of every row, or a packed forward of several cache rows
         (`Ragged`; x is [1, N, hidden], attention runs on its padded layout)."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q = self.queries(x, rope)
+        k, v = self.keys_values(x, rope)
         if isinstance(start, Ragged):
             k, v = cache.write_ragged(layer, start, k[0].transpose(0, 1), v[0].transpose(0, 1), context_end)
             q = start.to_padded(q[0].transpose(0, 1)).transpose(1, 2)  # [rows, heads, width, head_dim]
@@ -226,16 +249,23 @@ class Transformer(nn.Module):
                        self.dtype, self.device, batch)
 
     def _hidden(self, tokens: Tensor, positions: Tensor, mask: Tensor | None,
-                cache: KVCache | None, start: int | Ragged, context_end: int | None = None) -> Tensor:
+                cache: KVCache | None, start: int | Ragged, context_end: int | None = None,
+                taps: Sequence[int] = ()) -> tuple[Tensor, Tensor | None]:
+        """Final (normed) hidden states, and the outputs of layers `taps` concatenated on the
+        last dimension in layer order (None without taps): what a target-conditioned drafter reads."""
         x = self.model.embed_tokens(tokens)
         rope = self.rotary(positions, x.dtype)
+        tapped = []
         for i, layer in enumerate(self.model.layers):
             x = layer(x, rope, mask, cache, i, start, context_end)
-        return self.model.norm(x)
+            if i in taps:
+                tapped.append(x)
+        return self.model.norm(x), torch.cat(tapped, dim=-1) if tapped else None
 
     def forward(self, tokens: Tensor, start: int, cache: KVCache, *, block_size: int | None = None,
                 commit: bool = True, logits_at: slice | list[int] | None = None,
-                context_end: int | None = None, head_weight: Tensor | None = None) -> Tensor:
+                context_end: int | None = None, head_weight: Tensor | None = None,
+                taps: Sequence[int] = ()) -> Tensor | tuple[Tensor, Tensor]:
         """Logits for `tokens` [B, T] at positions start..start+T-1, attending to the cache.
 
         The cache must hold exactly positions [0, start). With `commit` the new K/V count as
@@ -248,6 +278,9 @@ class Transformer(nn.Module):
         A scratch pass may also start past `cache.length` and attend up to `context_end`:
         positions [cache.length, context_end) outside its own tokens then contribute the
         scratch K/V an earlier pass wrote there (the block cache of a sub-block pass).
+
+        With `taps` (layer indices, ascending) the result is (logits, features [B, T, F]): the
+        tapped layers' outputs at every token (docs/design.md, "Target-conditioned drafting").
         """
         t = tokens.shape[1]
         if start != cache.length and (commit or context_end is None or start < cache.length):
@@ -259,20 +292,21 @@ class Transformer(nn.Module):
         mask = None
         if t > 1 or block_size is not None or end > start + t:
             mask = attention_mask(positions, torch.arange(end, device=tokens.device), block_size)
-        hidden = self._hidden(tokens, positions, mask, cache, start, context_end)
+        hidden, features = self._hidden(tokens, positions, mask, cache, start, context_end, taps)
         logits = self._head(hidden if logits_at is None else hidden[:, logits_at], head_weight)
         if commit:
             cache.length = start + t
-        return logits
+        return logits if features is None else (logits, features)
 
     def _head(self, hidden: Tensor, head_weight: Tensor | None) -> Tensor:
         return self.lm_head(hidden) if head_weight is None else linear(hidden, head_weight)
 
     def forward_ragged(self, ragged: Ragged, cache: KVCache, *, block_size: int | None = None,
                        context_ends: list[int] | None = None, logits_at: Tensor | None = None,
-                       head_weight: Tensor | None = None) -> Tensor:
+                       head_weight: Tensor | None = None, taps: Sequence[int] = ()) -> Tensor | tuple[Tensor, Tensor]:
         """Logits [N, V] for the packed tokens of several cache rows in one forward (a batch's
-        verification or drafting step), or for the packed indices `logits_at` only.
+        verification or drafting step), or for the packed indices `logits_at` only; with
+        `taps`, also the tapped layers' features [N, F] (as `forward`).
 
         Row i's cache row must hold its positions [0, starts[i]); its tokens' K/V are written
         at their positions, and cache lengths are the caller's (`KVCache.row` views). Causal;
@@ -287,12 +321,20 @@ class Transformer(nn.Module):
         allowed = attention_mask(ragged.padded_positions(), keys, block_size)
         if context_ends is not None:
             allowed &= keys < torch.tensor(context_ends, device=device)[:, None, None]
-        hidden = self._hidden(ragged.tokens, ragged.positions[0], allowed[:, None], cache, ragged, read_end)
-        return self._head(hidden[0] if logits_at is None else hidden[0, logits_at], head_weight)
+        hidden, features = self._hidden(ragged.tokens, ragged.positions[0], allowed[:, None], cache, ragged, read_end,
+                                        taps)
+        logits = self._head(hidden[0] if logits_at is None else hidden[0, logits_at], head_weight)
+        return logits if features is None else (logits, features[0])
+
+    def features(self, tokens: Tensor, taps: Sequence[int]) -> Tensor:
+        """Tapped layers' outputs [B, T, F] of a cache-free causal forward over tokens [B, T]
+        (what a DFlash drafter trains on)."""
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        return self._hidden(tokens, pos, attention_mask(pos, pos, None), None, 0, taps=taps)[1]
 
     def hidden_masked(self, tokens: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
         """Final hidden states of a cache-free forward with an explicit [T, T] attention mask.
 
         Training uses it so that the output head runs only on positions that carry a loss.
         """
-        return self._hidden(tokens, positions, mask, None, 0)
+        return self._hidden(tokens, positions, mask, None, 0)[0]

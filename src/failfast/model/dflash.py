@@ -1,0 +1,136 @@
+"""A DFlash-style block drafter (z-lab's `DFlashDraftModel` layout): a few decoder layers
+that read the target's features as extra keys and values (docs/design.md,
+"Target-conditioned drafting").
+
+The drafter has no embedding or output head of its own: it uses the target's. Target
+features (the outputs of layers `target_layer_ids`, concatenated) are fused once (`fc`,
+then `hidden_norm`) and every drafter layer projects them with its own key/value
+projections; those context K/V live in a KVCache at the target positions they describe.
+A drafting pass runs the block `[known tokens..., masks...]` non-causally against that
+context and its own K/V; the hidden state at a masked position predicts that position's
+token (no token shift).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from failfast.errors import IncompatibleModelsError
+from failfast.model.config import ModelConfig
+from failfast.model.kv_cache import KVCache
+from failfast.model.transformer import MLP, Attention, Linear, RMSNorm, Rotary
+
+
+class DFlashLayer(nn.Module):
+    """A Qwen3 decoder layer whose attention also reads context keys/values."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], context_k: Tensor, context_v: Tensor,
+                mask: Tensor | None) -> Tensor:
+        """x [B, W, hidden]; context K/V [B, kv_heads, C, head_dim]; `mask` [B, 1, W, C + W]
+        (True: may attend) or None (every query sees every key)."""
+        attn = self.self_attn
+        h = self.input_layernorm(x)
+        q = attn.queries(h, rope)
+        k, v = attn.keys_values(h, rope)
+        k, v = torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=attn.n_kv != attn.n_heads)
+        b, w, _ = x.shape
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(b, w, attn.n_heads * attn.head_dim))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashModel(nn.Module):
+    """The drafter's own weights (`fc`, `hidden_norm`, `layers.N.*`, `norm`); the target's
+    embedding and output head are attached by `attach` and never saved with it."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if not cfg.is_dflash:
+            raise IncompatibleModelsError("a DFlash model needs target_layer_ids in its config")
+        self.config = cfg
+        self.fc = Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self._target: tuple[nn.Embedding, nn.Module] | None = None  # not a submodule: not saved, not trained
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    def attach(self, embed_tokens: nn.Embedding, lm_head: nn.Module) -> None:
+        """Use the target's embedding and output head (the caller matches their dtype)."""
+        self._target = (embed_tokens, lm_head)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self._parts()[0]
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self._parts()[1]
+
+    def _parts(self) -> tuple[nn.Embedding, nn.Module]:
+        if self._target is None:
+            raise IncompatibleModelsError("the DFlash drafter has no target attached (DFlashModel.attach)")
+        return self._target
+
+    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
+        c = self.config
+        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, capacity, self.dtype, self.device, batch)
+
+    def fuse(self, features: Tensor) -> Tensor:
+        """Target features [..., len(target_layer_ids) * hidden] -> fused context [..., hidden]."""
+        return self.hidden_norm(self.fc(features))
+
+    def context_kv(self, fused: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Every layer's context keys/values [B, kv_heads, T, head_dim] for fused context
+        [B, T, hidden] at positions [T]."""
+        rope = self.rotary(positions, fused.dtype)
+        return [layer.self_attn.keys_values(fused, rope) for layer in self.layers]
+
+    def write_context(self, features: Tensor, start: int, cache: KVCache) -> None:
+        """Cache the context K/V of target features [1, T, F] at positions start..start+T-1
+        (the cache must hold exactly [0, start))."""
+        if start != cache.length:
+            raise ValueError(f"context at position {start} but the drafter cache holds {cache.length}")
+        t = features.shape[1]
+        positions = torch.arange(start, start + t, device=features.device)
+        for i, (k, v) in enumerate(self.context_kv(self.fuse(features.to(self.dtype)), positions)):
+            cache.write(i, start, k, v)
+        cache.length = start + t
+
+    def hidden(self, tokens: Tensor, positions: Tensor, context: list[tuple[Tensor, Tensor]],
+               mask: Tensor | None) -> Tensor:
+        """Final hidden states [B, W, hidden] of block tokens [B, W] at `positions` ([W], or
+        [B, W] when rows differ, as in training) against every layer's context K/V."""
+        x = self.embed_tokens(tokens).to(self.dtype)
+        rope = self.rotary(positions, x.dtype)
+        if positions.dim() == 2:  # per-row tables broadcast over the heads
+            rope = (rope[0][:, None], rope[1][:, None])
+        for layer, (k, v) in zip(self.layers, context):
+            x = layer(x, rope, k, v, mask)
+        return self.norm(x)
+
+    def draft_pass(self, tokens: Tensor, start: int, cache: KVCache) -> Tensor:
+        """Final hidden states [1, W, hidden] of a block at positions start.. against the cached
+        context [0, start); the block's own K/V are not kept."""
+        if start != cache.length:
+            raise ValueError(f"a block at position {start} but the drafter cache holds {cache.length}")
+        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        context = [(cache.keys[i][:, :, :start], cache.values[i][:, :, :start]) for i in range(len(self.layers))]
+        return self.hidden(tokens, positions, context, None)
