@@ -40,7 +40,8 @@ STAGES = {
                       ("a second pass over the self-distilled continuations (seed 1)", "drafter-dllm-sd3")]),
     "dflash-drafter": ("DFlash-style block drafter: reads the target's layer outputs, shares its embedding and "
                        "output head (z-lab's DFlashDraftModel layout)",
-                       [("DFlash training on the target's self-distilled continuations", "dflash-drafter")]),
+                       [("DFlash training on the target's self-distilled continuations", "dflash-drafter"),
+                        ("continued: 12 first-pass windows per row, loss on the draft vocabulary", "dflash-drafter-v2")]),
 }
 SHARD_BYTES = 16 * 2**20  # keep every shipped file small
 

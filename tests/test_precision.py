@@ -88,6 +88,10 @@ def test_row_blocked_16_bit_ops_split_rows_and_keys_and_compute_the_same(monkeyp
     assert torch.allclose(out.double(), expected, rtol=2e-2, atol=5e-2)
     rows_seen.clear()
     assert torch.equal(linear(x.double(), w.double()), x.double() @ w.double().T) and rows_seen == [90]  # one call
+    rows_seen.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # training: whole calls (exactness is for inference)
+        linear(x.bfloat16(), w.bfloat16())
+    assert rows_seen == [90]
     weights, v = torch.rand(2, 40, 50, generator=gen).bfloat16(), torch.randn(2, 50, 8, generator=gen).bfloat16()
     assert torch.allclose(key_blocked_product(weights, v).double(), weights.double() @ v.double(), rtol=2e-2, atol=5e-2)
 

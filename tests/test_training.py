@@ -282,3 +282,45 @@ def test_position_decay_weights_a_blocks_first_masked_tokens_most():
         decayed = block_diffusion_loss(model, tokens, 8, 1, torch.Generator().manual_seed(1), decay_gamma=1.0)
     assert float(huge_gamma) == pytest.approx(float(plain), rel=1e-5)  # no decay: the plain mean
     assert float(decayed) != pytest.approx(float(plain), rel=1e-3)
+
+
+def test_dflash_stage_trains_on_the_draft_vocabulary_and_continues_a_drafter(data_dir, tmp_path, capsys):
+    train_ar(data_dir, tmp_path / "target", "tiny", _settings(10))
+    sd = SelfDistillSettings(tokens=8 * 40, prompt_len=8, new_tokens=40, batch_size=4, shard_batches=1,
+                             sampled_share=0.0, temperature=1.0, seed=0)
+    generate_self_distillation(tmp_path / "target", data_dir, tmp_path / "sd", sd)
+    common = ["--target", str(tmp_path / "target"), "--rows", str(tmp_path / "sd"), "--data", str(data_dir),
+              "--steps", "3", "--batch-size", "2", "--seq-len", "48", "--save-every", "3", "--no-compile",
+              "--block-size", "4"]
+    assert main(["train", "dflash", "--out", str(tmp_path / "d1"), "--draft-vocab-size", "40", *common]) == 0
+    vocab = json.loads((tmp_path / "d1" / "draft_vocab.json").read_text())
+    report = json.loads((tmp_path / "d1" / "training.json").read_text())
+    assert vocab["size"] == 40 and report["objective"]["draft_vocab_size"] == 40
+    # continuing a trained drafter keeps its shape; a drafter of another block size, or no DFlash drafter, is refused
+    assert main(["train", "dflash", "--out", str(tmp_path / "d2"), "--init", str(tmp_path / "d1"), *common]) == 0
+    assert load_model(tmp_path / "d2").config.target_layer_ids == load_model(tmp_path / "d1").config.target_layer_ids
+    assert json.loads((tmp_path / "d2" / "training.json").read_text())["objective"]["draft_vocab_size"] is None  # 2048 > 300
+    capsys.readouterr()
+    assert main(["train", "dflash", "--out", str(tmp_path / "d3"), "--init", str(tmp_path / "d1"),
+                 *common[:-1], "8"]) == 2
+    assert "block size 4, not the 8 asked for" in capsys.readouterr().err
+    assert main(["train", "dflash", "--out", str(tmp_path / "d4"), "--init", str(tmp_path / "target"), *common]) == 2
+    assert "is not a DFlash drafter" in capsys.readouterr().err
+
+
+def test_dflash_loss_on_a_draft_vocabulary_ignores_tokens_outside_it(data_dir, tmp_path):
+    from failfast.model.dflash import DFlashModel
+    from failfast.train.dflash import dflash_loss, new_dflash
+
+    target = new_model("tiny", 300, 1, seed=0)
+    drafter: DFlashModel = new_dflash(target.config, 1, (0,), 4, 1, seed=0)
+    drafter.attach(target.model.embed_tokens, target.lm_head)
+    tokens = torch.randint(2, 300, (2, 40), generator=torch.Generator().manual_seed(0))
+
+    def loss(vocab: torch.Tensor | None) -> float:
+        with torch.no_grad():
+            return float(dflash_loss(drafter, target, tokens, torch.Generator().manual_seed(1), 8, vocab=vocab))
+    assert loss(torch.arange(300)) == pytest.approx(loss(None), rel=1e-5)  # every token: the full head
+    # a vocabulary of the labels alone: a softmax over fewer rows, so a lower loss, still finite
+    assert 0 < loss(tokens.unique()) < loss(None)
+    assert loss(torch.tensor([0, 1])) == 0  # no label inside: nothing to learn, and no NaN

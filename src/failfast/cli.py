@@ -229,9 +229,9 @@ def _train_dflash(args: argparse.Namespace, settings, resume_from: Path | None, 
     except ValueError:
         raise GenerationInputError(f"--target-layers must be comma-separated layer indices, got {args.target_layers!r}") from None
     return train_dflash(resolve_model(args.target), Path(args.data), rows, Path(args.out), settings,
-                        layers=args.layers, target_layer_ids=layer_ids, block_size=args.block_size or 16,
-                        decay_gamma=args.decay_gamma or DEFAULT_DECAY_GAMMA,
-                        resume=args.resume or resume_from is not None, resume_from=resume_from)
+                        layers=args.layers, target_layer_ids=layer_ids, block_size=args.block_size,
+                        decay_gamma=args.decay_gamma or DEFAULT_DECAY_GAMMA, init=Path(args.init) if args.init else None,
+                        draft_vocab_size=args.draft_vocab_size or None, resume=args.resume or resume_from is not None, resume_from=resume_from)
 
 
 def _draft_vocab(args: argparse.Namespace) -> int:
@@ -365,11 +365,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--corpus", help="[data] folder of .py files (default: this Python's stdlib)")
     t.add_argument("--vocab-size", type=int, default=8192, help="[data] BPE vocabulary size")
     t.add_argument("--draft-vocab-size", type=int, default=2048,
-                   help="[draft-vocab] tokens to keep (the target's most frequent) for the drafter folder --out")
+                   help="[draft-vocab] tokens to keep (the target's most frequent) for the drafter folder --out; "
+                   "[dflash] the draft vocabulary it trains its head on and drafts from (0: every token)")
     t.add_argument("--data", help="[ar, diffusion, dflash] folder written by the data stage")
     t.add_argument("--size", default="target", help="[ar] target, drafter or tiny")
     t.add_argument("--init", help="[diffusion] AR model folder to convert; [ar] checkpoint to continue "
-                                   "from instead of a fresh --size model (e.g. to distil a pretrained drafter)")
+                                   "from instead of a fresh --size model (e.g. to distil a pretrained drafter); [dflash] DFlash drafter "
+                                   "to continue (its layers, target layers and block size)")
     t.add_argument("--teacher", help="[ar, diffusion] model folder to distil from (e.g. the trained target)")
     t.add_argument("--rows", help="[ar, diffusion, dflash] train on the target's self-distillation rows in this folder "
                    "(written by the selfdistill stage) instead of the corpus")

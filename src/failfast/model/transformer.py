@@ -31,8 +31,9 @@ KEY_BLOCK = 1024
 
 def row_blocked(op, x: Tensor) -> Tensor:
     """`op(x)` computed on at most ROW_BLOCK rows (dim -2) at a time, for 16-bit inputs:
-    each row's result then does not depend on how many rows share the call."""
-    if x.dtype not in HALF_DTYPES or x.shape[-2] <= ROW_BLOCK:
+    each row's result then does not depend on how many rows share the call. Under autocast
+    (training, never the exact inference path) whole calls are faster and nothing needs it."""
+    if x.dtype not in HALF_DTYPES or x.shape[-2] <= ROW_BLOCK or torch.is_autocast_enabled(x.device.type):
         return op(x)
     return torch.cat([op(part) for part in x.split(ROW_BLOCK, dim=-2)], dim=-2)
 
