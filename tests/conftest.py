@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import tiny_config, tiny_dflash_config, write_model
-from tests.synthetic import BLOCK, train_dflash_drafter, train_pair
+from tests.helpers import tiny_config, tiny_dflash_config, tiny_eagle3_config, write_model
+from tests.synthetic import BLOCK, train_dflash_drafter, train_eagle3_drafter, train_pair
 
 
 @pytest.fixture
@@ -21,6 +21,7 @@ def random_models(tmp_path_factory) -> dict[str, Path]:
     target = write_model(root / "target", tiny_config(eos_token_ids=()), seed=0)
     return {
         "random-dflash": write_model(root / "dflash", tiny_dflash_config(tiny_config(eos_token_ids=())), seed=11),
+        "random-eagle3": write_model(root / "eagle3", tiny_eagle3_config(tiny_config(eos_token_ids=())), seed=12),
         "target": target,
         "self": target,  # AR drafter sharing the target's weights: full acceptance
         "random-ar": write_model(root / "ar", tiny_config(eos_token_ids=()), seed=7),
@@ -34,9 +35,15 @@ def trained_pair(tmp_path_factory) -> tuple[Path, Path]:
     return train_pair(tmp_path_factory.mktemp("trained"))
 
 
-
 @pytest.fixture(scope="session")
 def trained_dflash(trained_pair, tmp_path_factory) -> tuple[Path, Path]:
     """(counting target, DFlash drafter trained on its features)."""
     target_dir, _ = trained_pair
     return target_dir, train_dflash_drafter(tmp_path_factory.mktemp("dflash"), target_dir)
+
+
+@pytest.fixture(scope="session")
+def trained_eagle3(trained_pair, tmp_path_factory) -> tuple[Path, Path]:
+    """(counting target, EAGLE-3 drafter trained on its features)."""
+    target_dir, _ = trained_pair
+    return target_dir, train_eagle3_drafter(tmp_path_factory.mktemp("eagle3"), target_dir)

@@ -1,4 +1,4 @@
-"""Test helpers: tiny random Qwen2 / Qwen3 / DFlash checkpoints written to disk, prompts."""
+"""Test helpers: tiny random Qwen2 / Qwen3 / DFlash / EAGLE-3 checkpoints written to disk, prompts."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from failfast.model import ModelConfig, Transformer
 from failfast.model.checkpoint import save_model
 from failfast.model.dflash import DFlashModel
+from failfast.model.eagle3 import Eagle3Model
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -31,10 +32,22 @@ def tiny_dflash_config(target: ModelConfig, **overrides) -> ModelConfig:
     return ModelConfig(**base)
 
 
-def random_model(cfg: ModelConfig, seed: int, scale: float = 0.5) -> Transformer | DFlashModel:
+def tiny_eagle3_config(target: ModelConfig, **overrides) -> ModelConfig:
+    """An EAGLE-3 drafter for `target` (its hidden size; one Qwen3-style layer) reading its layers 0 and last."""
+    base = dict(vocab_size=target.vocab_size, hidden_size=target.hidden_size, intermediate_size=48,
+                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                max_position_embeddings=target.max_position_embeddings, model_type="qwen3", qk_norm=True,
+                attention_bias=False, target_layer_ids=(0, target.num_hidden_layers - 1), eagle3=True,
+                eos_token_ids=target.eos_token_ids)
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def random_model(cfg: ModelConfig, seed: int, scale: float = 0.5) -> Transformer | DFlashModel | Eagle3Model:
     """A random model whose logits are spread enough that greedy choices are not near-ties."""
     torch.manual_seed(seed)
-    model = (DFlashModel(cfg) if cfg.is_dflash else Transformer(cfg)).to(torch.float64)
+    kind = DFlashModel if cfg.is_dflash else Eagle3Model if cfg.is_eagle3 else Transformer
+    model = kind(cfg).to(torch.float64)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

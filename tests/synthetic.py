@@ -1,5 +1,5 @@
-"""A target, a block-diffusion drafter and a DFlash drafter trained for seconds on a
-predictable sequence.
+"""A target, a block-diffusion drafter and DFlash and EAGLE-3 drafters trained for seconds on
+a predictable sequence.
 
 The corpus counts upward modulo a small vocabulary (..., 7, 8, 9, 10, ...), so a trained
 drafter really predicts the target and long drafts spanning several blocks are accepted.
@@ -15,10 +15,12 @@ import torch
 from failfast.model import Transformer, load_model
 from failfast.model.checkpoint import save_model
 from failfast.model.dflash import DFlashModel
+from failfast.model.eagle3 import Eagle3Model
 from failfast.train.dflash import dflash_loss
+from failfast.train.eagle3 import eagle3_loss
 from failfast.train.loop import TrainSettings, train
 from failfast.train.objectives import ar_loss, block_diffusion_loss
-from tests.helpers import tiny_config, tiny_dflash_config
+from tests.helpers import tiny_config, tiny_dflash_config, tiny_eagle3_config
 
 CYCLE = 40          # tokens 0..39 form the cycle
 MASK_ID = 47        # outside the cycle, inside the vocabulary
@@ -47,18 +49,34 @@ def train_pair(folder: Path) -> tuple[Path, Path]:
     return folder / "target", folder / "drafter"
 
 
-def train_dflash_drafter(folder: Path, target_dir: Path) -> Path:
-    """A DFlash drafter for the counting target, trained for seconds on its features."""
+def _train_on_features(folder: Path, target_dir: Path, name: str, cfg_of, loss_of) -> Path:
+    """A drafter that reads the counting target's features, trained for seconds: `cfg_of`
+    gives its config from the target's, `loss_of(target)` its loss."""
     target = load_model(target_dir)
-    cfg = tiny_dflash_config(target.config, block_size=BLOCK, intermediate_size=96, num_attention_heads=4,
-                             num_key_value_heads=2, mask_token_id=MASK_ID)
+    cfg = cfg_of(target.config)
     torch.manual_seed(0)
-    drafter = DFlashModel(cfg)
+    drafter = (DFlashModel if cfg.is_dflash else Eagle3Model)(cfg)
     drafter.attach(target.model.model.embed_tokens, target.model.lm_head)
-    loss = lambda m, b, g: dflash_loss(m, target.model, b, g, first_anchor=1)  # noqa: E731
     settings = TrainSettings(steps=150, batch_size=16, seq_len=48, lr=3e-3, warmup=10, save_every=1000, eval_batches=1,
                              compile=False)
     stream = counting_stream()
-    train(drafter, loss, stream, stream, settings, folder / "dflash-run", None)
-    save_model(drafter, folder / "dflash")
-    return folder / "dflash"
+    train(drafter, loss_of(target), stream, stream, settings, folder / f"{name}-run", None)
+    save_model(drafter, folder / name)
+    return folder / name
+
+
+def train_dflash_drafter(folder: Path, target_dir: Path) -> Path:
+    """A DFlash drafter for the counting target."""
+    return _train_on_features(
+        folder, target_dir, "dflash",
+        lambda t: tiny_dflash_config(t, block_size=BLOCK, intermediate_size=96, num_attention_heads=4,
+                                     num_key_value_heads=2, mask_token_id=MASK_ID),
+        lambda target: lambda m, b, g: dflash_loss(m, target.model, b, g, first_anchor=1))
+
+
+def train_eagle3_drafter(folder: Path, target_dir: Path) -> Path:
+    """An EAGLE-3 drafter for the counting target."""
+    return _train_on_features(
+        folder, target_dir, "eagle3",
+        lambda t: tiny_eagle3_config(t, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2),
+        lambda target: lambda m, b, g: eagle3_loss(m, target.model, b, first_anchor=1))

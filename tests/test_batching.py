@@ -40,7 +40,7 @@ def _check_batches(engine: SpeculativeEngine, requests: list[GenerationRequest])
             assert rounds(got[i]) == rounds(want), (batch_size, i)
 
 
-@pytest.mark.parametrize("drafter_name", [None, "self", "random-ar", "random-dllm", "random-dflash"])
+@pytest.mark.parametrize("drafter_name", [None, "self", "random-ar", "random-dllm", "random-dflash", "random-eagle3"])
 def test_random_drafters_in_batches(random_models, drafter_name):
     target = load_model(random_models["target"], dtype=torch.float64)
     requests = _requests()

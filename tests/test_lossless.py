@@ -36,7 +36,7 @@ DLLM_OPTIONS = {"random-dllm": {}, "random-dllm-sub-block": dict(denoise="sub-bl
                 "random-dllm-full-block": dict(denoise="full-block", unmask_threshold=0.05)}
 
 
-@pytest.mark.parametrize("drafter_name", ["self", "random-ar", *DLLM_OPTIONS, "random-dflash"])
+@pytest.mark.parametrize("drafter_name", ["self", "random-ar", *DLLM_OPTIONS, "random-dflash", "random-eagle3"])
 def test_random_drafters_are_lossless(random_models, drafter_name):
     target = load_model(random_models["target"], dtype=torch.float64)
     options = DLLM_OPTIONS.get(drafter_name, {})

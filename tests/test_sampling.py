@@ -20,7 +20,7 @@ def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
     return SamplingParams(params.temperature, params.top_k, params.top_p, seed)
 
 
-@pytest.mark.parametrize("drafter_name", ["self", "random-ar", "random-dllm", "random-dflash"])
+@pytest.mark.parametrize("drafter_name", ["self", "random-ar", "random-dllm", "random-dflash", "random-eagle3"])
 def test_random_drafters_reproduce_plain_sampling(random_models, drafter_name):
     target = load_model(random_models["target"], dtype=torch.float64)
     drafter = load_model(random_models[drafter_name], dtype=torch.float64)

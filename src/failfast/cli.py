@@ -201,8 +201,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     resume_from = Path(args.resume_from) if args.resume_from else None
     rows = Path(args.rows) if args.rows else None
     teacher = Path(args.teacher) if args.teacher else None
-    if args.stage == "dflash":
-        report = _train_dflash(args, settings, resume_from, rows)
+    if args.stage in ("dflash", "eagle3"):
+        report = _train_feature_drafter(args, settings, resume_from, rows)
     elif args.stage == "ar":
         report = train_ar(Path(args.data), Path(args.out), args.size, settings, teacher=teacher,
                           init=Path(args.init) if args.init else None, resume=args.resume or resume_from is not None,
@@ -218,20 +218,26 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_dflash(args: argparse.Namespace, settings, resume_from: Path | None, rows: Path | None) -> dict:
+def _train_feature_drafter(args: argparse.Namespace, settings, resume_from: Path | None, rows: Path | None) -> dict:
+    """The dflash and eagle3 stages: drafters that read the target's features."""
     from failfast.embedded import resolve_model
-    from failfast.train.dflash import DEFAULT_DECAY_GAMMA, train_dflash
+    from failfast.train.feature_drafters import DEFAULT_DECAY_GAMMA
 
     if not args.target or not args.data or rows is None:
-        raise GenerationInputError("train dflash needs --target, --data and --rows (the target's self-distillation rows)")
+        raise GenerationInputError(f"train {args.stage} needs --target, --data and --rows (the target's self-distillation rows)")
     try:
         layer_ids = tuple(int(i) for i in args.target_layers.split(",")) if args.target_layers else None
     except ValueError:
         raise GenerationInputError(f"--target-layers must be comma-separated layer indices, got {args.target_layers!r}") from None
+    common = dict(target_layer_ids=layer_ids, decay_gamma=args.decay_gamma or DEFAULT_DECAY_GAMMA,
+                  init=Path(args.init) if args.init else None, draft_vocab_size=args.draft_vocab_size or None,
+                  resume=args.resume or resume_from is not None, resume_from=resume_from)
+    if args.stage == "eagle3":
+        from failfast.train.eagle3 import train_eagle3
+        return train_eagle3(resolve_model(args.target), Path(args.data), rows, Path(args.out), settings, **common)
+    from failfast.train.dflash import train_dflash
     return train_dflash(resolve_model(args.target), Path(args.data), rows, Path(args.out), settings,
-                        layers=args.layers, target_layer_ids=layer_ids, block_size=args.block_size,
-                        decay_gamma=args.decay_gamma or DEFAULT_DECAY_GAMMA, init=Path(args.init) if args.init else None,
-                        draft_vocab_size=args.draft_vocab_size or None, resume=args.resume or resume_from is not None, resume_from=resume_from)
+                        layers=args.layers, block_size=args.block_size, **common)
 
 
 def _draft_vocab(args: argparse.Namespace) -> int:
@@ -359,26 +365,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto as for generate; float64 makes the token-identity check immune to rounding near-ties")
     b.set_defaults(func=cmd_bench)
 
-    t = sub.add_parser("train", help="train the embedded models (data, ar, diffusion, dflash stages)")
-    t.add_argument("stage", choices=["data", "ar", "diffusion", "dflash", "selfdistill", "draft-vocab"])
+    t = sub.add_parser("train", help="train the embedded models (data, ar, diffusion, dflash, eagle3 stages)")
+    t.add_argument("stage", choices=["data", "ar", "diffusion", "dflash", "eagle3", "selfdistill", "draft-vocab"])
     t.add_argument("--out", required=True, help="output folder")
     t.add_argument("--corpus", help="[data] folder of .py files (default: this Python's stdlib)")
     t.add_argument("--vocab-size", type=int, default=8192, help="[data] BPE vocabulary size")
     t.add_argument("--draft-vocab-size", type=int, default=2048,
                    help="[draft-vocab] tokens to keep (the target's most frequent) for the drafter folder --out; "
-                   "[dflash] the draft vocabulary it trains its head on and drafts from (0: every token)")
-    t.add_argument("--data", help="[ar, diffusion, dflash] folder written by the data stage")
+                   "[dflash, eagle3] the draft vocabulary it trains its head on and drafts from (0: every token)")
+    t.add_argument("--data", help="[ar, diffusion, dflash, eagle3] folder written by the data stage")
     t.add_argument("--size", default="target", help="[ar] target, drafter or tiny")
     t.add_argument("--init", help="[diffusion] AR model folder to convert; [ar] checkpoint to continue "
-                                   "from instead of a fresh --size model (e.g. to distil a pretrained drafter); [dflash] DFlash drafter "
-                                   "to continue (its layers, target layers and block size)")
+                                   "from instead of a fresh --size model (e.g. to distil a pretrained drafter); [dflash, eagle3] a "
+                                   "drafter of that kind to continue (its layers, target layers and block size)")
     t.add_argument("--teacher", help="[ar, diffusion] model folder to distil from (e.g. the trained target)")
-    t.add_argument("--rows", help="[ar, diffusion, dflash] train on the target's self-distillation rows in this folder "
+    t.add_argument("--rows", help="[ar, diffusion, dflash, eagle3] train on the target's self-distillation rows in this folder "
                    "(written by the selfdistill stage) instead of the corpus")
     t.add_argument("--target", help="[selfdistill] the target model whose continuations become training data; "
-                                    "[dflash] the target whose features the drafter reads")
+                                    "[dflash, eagle3] the target whose features the drafter reads")
     t.add_argument("--layers", type=int, default=2, help="[dflash] drafter decoder layers")
-    t.add_argument("--target-layers", help="[dflash] comma-separated target layers to read (default: low, middle, last)")
+    t.add_argument("--target-layers", help="[dflash, eagle3] comma-separated target layers to read (default: low, middle, last)")
     t.add_argument("--tokens", type=int, default=10_000_000, help="[selfdistill] target tokens to generate")
     t.add_argument("--prompt-len", type=int, default=64, help="[selfdistill] corpus tokens before each continuation")
     t.add_argument("--new-tokens", type=int, default=192, help="[selfdistill] target tokens per row")
@@ -387,8 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--temperature", type=float, default=0.8, help="[selfdistill] sampling temperature")
     t.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto", help="[selfdistill] inference dtype")
     t.add_argument("--decay-gamma", type=float,
-                   help="[diffusion, dflash] weight the k-th masked token of a block by exp(-(k-1)/gamma) "
-                        "(dflash default 7)")
+                   help="[diffusion, dflash, eagle3] weight the k-th masked token of a block (eagle3: the k-th "
+                        "token of a chain) by exp(-(k-1)/gamma) (dflash and eagle3 default 7)")
     t.add_argument("--block-size", type=int, help="diffusion default 32, dflash 16")
     t.add_argument("--sub-block-size", type=int, default=8)
     t.add_argument("--suffix-mask-share", type=float, default=0.0,

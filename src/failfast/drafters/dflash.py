@@ -14,10 +14,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import torch
-from torch import Tensor
 
-from failfast.drafters.base import ModelDrafter
+from failfast.drafters.target_features import TargetFeatureDrafter
 from failfast.errors import GenerationInputError, IncompatibleModelsError
 from failfast.model import LoadedModel
 from failfast.model.kv_cache import KVCache
@@ -26,56 +24,35 @@ from failfast.model.transformer import linear
 MAX_PASSES = 4  # windows of up to 4 blocks: 63 drafted tokens with blocks of 16, past FailFast's N_max of 60
 
 
-class DFlashDrafter(ModelDrafter):
+class DFlashDrafter(TargetFeatureDrafter):
     """Drafts blocks from target features; the target's embedding and head are shared."""
+
+    kind = "DFlash"
 
     def __init__(self, loaded: LoadedModel, target: LoadedModel, vocab_limit: int,
                  draft_vocab: Sequence[int] | None = None, max_passes: int = MAX_PASSES) -> None:
-        cfg, tcfg = loaded.config, target.config
+        cfg = loaded.config
         if not cfg.is_dflash:
             raise IncompatibleModelsError(f"{loaded.path} is not a DFlash drafter (config.json needs "
                                           "architectures [\"DFlashDraftModel\"] and dflash_config)")
-        if cfg.hidden_size != tcfg.hidden_size:
-            raise IncompatibleModelsError(f"DFlash drafter {loaded.path} has hidden size {cfg.hidden_size}; it shares "
-                                          f"the target's embedding and head, whose hidden size is {tcfg.hidden_size}")
-        if max(cfg.target_layer_ids) >= tcfg.num_hidden_layers:
-            raise IncompatibleModelsError(f"DFlash drafter {loaded.path} reads target layers {list(cfg.target_layer_ids)}; "
-                                          f"the target has {tcfg.num_hidden_layers} layers")
         if max_passes < 1:
             raise IncompatibleModelsError(f"a DFlash drafter needs at least one pass per round, got {max_passes}")
-        model = loaded.model
-        dtype = model.dtype
-        embed, head = target.model.model.embed_tokens, target.model.lm_head
-        if embed.weight.dtype != dtype:  # a drafter in another dtype than the target: its own copies
-            embed = torch.nn.Embedding.from_pretrained(embed.weight.detach().to(dtype), freeze=True)
-            head = torch.nn.Linear(head.weight.shape[1], head.weight.shape[0], bias=False, dtype=dtype,
-                                   device=head.weight.device).requires_grad_(False)
-            head.weight.copy_(target.model.lm_head.weight.detach())
-        model.attach(embed, head)
-        super().__init__(loaded, vocab_limit, banned=(cfg.mask_token_id,), draft_vocab=draft_vocab)
-        self.target_layers: tuple[int, ...] = cfg.target_layer_ids
+        super().__init__(loaded, target, vocab_limit, draft_vocab, banned=(cfg.mask_token_id,))
         self.mask_id = cfg.mask_token_id
         self.block_size = cfg.block_size
         self.max_passes = max_passes
-        self._pending: list[tuple[int, Tensor]] = []
 
     def prepare(self, total_len: int, cache: KVCache | None = None) -> None:
         self._allocate(total_len + self.max_passes * self.block_size, total_len, cache)
         self._pending = []
         self.window: list[int] = []
 
-    def add_context(self, start: int, features: Tensor) -> None:
-        """Target features [T, F] of committed positions start..start+T-1; projected into the
-        cache at the next `begin` (inside the drafting time). A start below what is cached
-        rolls the context back there first."""
-        self._pending.append((start, features))
-
     def _write_pending(self) -> None:
-        for start, features in self._pending:
+        """Project queued features into the context cache (a start below it rolls it back)."""
+        for start, features in self._take_pending():
             if start < self.cache.length:
                 self.cache.rollback(start)
             self.model.write_context(features[None], start, self.cache)
-        self._pending = []
 
     def begin(self, committed: list[int]) -> None:
         self._write_pending()

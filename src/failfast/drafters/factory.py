@@ -10,6 +10,7 @@ from failfast.drafters.autoregressive import ARDrafter
 from failfast.drafters.base import Drafter
 from failfast.drafters.block_diffusion import DEFAULT_DENOISE, DEFAULT_UNMASK_THRESHOLD, BlockDiffusionDrafter
 from failfast.drafters.dflash import DFlashDrafter
+from failfast.drafters.eagle3 import Eagle3Drafter
 from failfast.errors import CheckpointError, IncompatibleModelsError
 from failfast.model import LoadedModel
 
@@ -54,14 +55,16 @@ def load_draft_vocab(folder: Path) -> list[int] | None:
 def make_drafter(target: LoadedModel, drafter: LoadedModel, unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD,
                  denoise: str = DEFAULT_DENOISE, sub_block_size: int | None = None,
                  full_vocab: bool = False) -> Drafter:
-    """The drafter a checkpoint is: DFlash (reads the target's features), block diffusion,
-    or else autoregressive (`unmask_threshold`, `denoise` and `sub_block_size` only apply to
+    """The drafter a checkpoint is: DFlash or EAGLE-3 (both read the target's features), block
+    diffusion, or else autoregressive (`unmask_threshold`, `denoise` and `sub_block_size` only apply to
     block diffusion). A checkpoint's draft vocabulary is used unless `full_vocab`."""
     check_vocabularies(target, drafter)
     limit = min(target.config.vocab_size, drafter.config.vocab_size)
     vocab = None if full_vocab else load_draft_vocab(drafter.path)
     if drafter.config.is_dflash:
         return DFlashDrafter(drafter, target, limit, vocab)
+    if drafter.config.is_eagle3:
+        return Eagle3Drafter(drafter, target, limit, vocab)
     if drafter.config.is_block_diffusion or drafter.config.mask_token_id is not None:
         return BlockDiffusionDrafter(drafter, limit, unmask_threshold, denoise, sub_block_size, vocab)
     return ARDrafter(drafter, limit, draft_vocab=vocab)

@@ -14,6 +14,7 @@ from failfast.errors import CheckpointError
 from failfast.model.config import ModelConfig
 from failfast.model.device import check_device
 from failfast.model.dflash import DFlashModel
+from failfast.model.eagle3 import Eagle3Model
 from failfast.model.tokenizer import Tokenizer
 from failfast.model.transformer import Rotary, Transformer
 
@@ -24,7 +25,7 @@ PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt",
 
 @dataclass
 class LoadedModel:
-    model: Transformer | DFlashModel  # DFlashModel for a DFlash drafter (config.is_dflash)
+    model: Transformer | DFlashModel | Eagle3Model  # the drafter kinds that read target features have their own
     config: ModelConfig
     tokenizer: Tokenizer | None
     path: Path
@@ -85,11 +86,11 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
         raise CheckpointError(f"model folder {folder} does not exist")
     cfg = read_config(folder)
     state = _read_weights(_weight_files(folder))
-    tied = cfg.tie_word_embeddings and not cfg.is_dflash
+    tied = cfg.tie_word_embeddings and not cfg.reads_target
     if tied:
         state.pop("lm_head.weight", None)
     with torch.device("meta"):
-        model = DFlashModel(cfg) if cfg.is_dflash else Transformer(cfg)
+        model = DFlashModel(cfg) if cfg.is_dflash else Eagle3Model(cfg) if cfg.is_eagle3 else Transformer(cfg)
     expected = {k: v.shape for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -125,7 +126,7 @@ def _shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, to
     return groups
 
 
-def save_model(model: Transformer | DFlashModel, path: str | Path, *, dtype: torch.dtype | None = None,
+def save_model(model: Transformer | DFlashModel | Eagle3Model, path: str | Path, *, dtype: torch.dtype | None = None,
                tokenizer: Tokenizer | None = None, max_shard_bytes: int | None = None) -> Path:
     """Write config.json + model.safetensors (+ tokenizer.json) in Hugging Face layout; with
     `max_shard_bytes`, weights larger than that go to numbered shards plus an index."""
@@ -137,7 +138,7 @@ def save_model(model: Transformer | DFlashModel, path: str | Path, *, dtype: tor
     (folder / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n")
     state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # a DFlash drafter has none: it uses the target's
+        state.pop("lm_head.weight", None)  # a DFlash or EAGLE-3 drafter has none: it uses the target's
     for stale in [folder / SINGLE_FILE, folder / SHARD_INDEX, *folder.glob("model-*-of-*.safetensors")]:
         stale.unlink(missing_ok=True)
     groups = _shards(state, max_shard_bytes) if max_shard_bytes else [state]

@@ -1,5 +1,5 @@
-"""Model configuration read from a Hugging Face `config.json` (Qwen2 and Qwen3 families, and
-DFlash drafters in z-lab's layout)."""
+"""Model configuration read from a Hugging Face `config.json` (Qwen2 and Qwen3 families,
+DFlash drafters in z-lab's layout, and our EAGLE-3 drafters)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ FAST_DLLM_MASK_TOKEN_ID = 151665
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_SUB_BLOCK_SIZE = 8
 DFLASH_ARCHITECTURE = "DFlashDraftModel"  # z-lab's DFlash drafters (docs/design.md, "Target-conditioned drafting")
+EAGLE3_ARCHITECTURE = "Eagle3DraftModel"  # our EAGLE-3 drafters (docs/design.md, "EAGLE-3")
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,10 @@ class ModelConfig:
     sub_block_size: int | None = None
     attention_bias: bool = True  # Qwen2: q/k/v projections have a bias; Qwen3: none
     qk_norm: bool = False        # Qwen3: per-head RMSNorm of queries and keys
-    # A DFlash drafter reads the outputs of these target layers (block_size: its block).
+    # A DFlash drafter reads the outputs of these target layers (block_size: its block); so
+    # does an EAGLE-3 drafter (`eagle3`).
     target_layer_ids: tuple[int, ...] | None = None
+    eagle3: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -54,8 +57,17 @@ class ModelConfig:
         return self.block_size is not None and not self.is_dflash
 
     @property
-    def is_dflash(self) -> bool:
+    def reads_target(self) -> bool:
+        """A drafter that reads target features and shares the target's embedding and head."""
         return self.target_layer_ids is not None
+
+    @property
+    def is_dflash(self) -> bool:
+        return self.reads_target and not self.eagle3
+
+    @property
+    def is_eagle3(self) -> bool:
+        return self.reads_target and self.eagle3
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
@@ -88,11 +100,13 @@ class ModelConfig:
             if "target_layer_ids" not in dflash or "mask_token_id" not in dflash or block is None:
                 raise CheckpointError("a DFlash config.json needs block_size and dflash_config with "
                                       "target_layer_ids and mask_token_id")
-            layer_ids = tuple(int(i) for i in dflash["target_layer_ids"])
-            if not layer_ids or list(layer_ids) != sorted(set(layer_ids)):
-                raise CheckpointError(f"DFlash target_layer_ids must be distinct and ascending, got {list(layer_ids)}")
+            layer_ids = _layer_ids(dflash["target_layer_ids"], "DFlash", "dflash_config.target_layer_ids")
             mask_id, sub_block = dflash["mask_token_id"], None
-        known = set(cls.__dataclass_fields__) | {"dflash_config"}
+        eagle3 = EAGLE3_ARCHITECTURE in (raw.get("architectures") or [])
+        if eagle3:
+            layer_ids = _layer_ids((raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"), "EAGLE-3",
+                                   "eagle_config.eagle_aux_hidden_state_layer_ids")
+        known = set(cls.__dataclass_fields__) | {"dflash_config", "eagle_config"}
         return cls(
             vocab_size=int(raw["vocab_size"]),
             hidden_size=int(raw["hidden_size"]),
@@ -113,6 +127,7 @@ class ModelConfig:
             attention_bias=bool(raw.get("attention_bias", model_type != "qwen3")),
             qk_norm=model_type == "qwen3",
             target_layer_ids=layer_ids,
+            eagle3=eagle3,
             extra={k: v for k, v in raw.items() if k not in known},
         )
 
@@ -120,7 +135,8 @@ class ModelConfig:
         """A config.json that both failfast and `transformers` (Qwen2 / Qwen3) can read; a
         DFlash drafter's in z-lab's layout."""
         out = {k: v for k, v in asdict(self).items()
-               if k not in ("extra", "eos_token_ids", "block_size", "sub_block_size", "qk_norm", "target_layer_ids")}
+               if k not in ("extra", "eos_token_ids", "block_size", "sub_block_size", "qk_norm", "target_layer_ids",
+                             "eagle3")}
         out.update(self.extra)
         out["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0]
         if self.attention_bias == (self.model_type != "qwen3"):
@@ -130,6 +146,9 @@ class ModelConfig:
             out["block_size"] = self.block_size
             out["dflash_config"] = {"mask_token_id": out.pop("mask_token_id"),
                                     "target_layer_ids": list(self.target_layer_ids)}
+        elif self.is_eagle3:
+            out["architectures"] = [EAGLE3_ARCHITECTURE]
+            out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.target_layer_ids)}
         elif self.block_size is not None:
             out["bd_size"] = self.block_size
             out["small_block_size"] = self.sub_block_size
@@ -138,3 +157,13 @@ class ModelConfig:
         out.setdefault("architectures", ["Qwen3ForCausalLM" if self.model_type == "qwen3" else "Qwen2ForCausalLM"])
         out.setdefault("hidden_act", "silu")
         return out
+
+
+def _layer_ids(raw: Any, kind: str, field_name: str) -> tuple[int, ...]:
+    """Target layer ids of a feature-reading drafter's config: distinct and ascending."""
+    if not isinstance(raw, list) or not raw:
+        raise CheckpointError(f"the config.json of an {kind} drafter needs {field_name}")
+    ids = tuple(int(i) for i in raw)
+    if list(ids) != sorted(set(ids)):
+        raise CheckpointError(f"{kind} target layer ids must be distinct and ascending, got {list(ids)}")
+    return ids

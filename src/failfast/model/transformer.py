@@ -139,13 +139,16 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, in_features: int | None = None) -> None:
+        """`in_features`: the width of what q/k/v project (the hidden size unless given: an
+        EAGLE-3 layer reads token embedding and feature side by side)."""
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         bias = cfg.attention_bias
-        self.q_proj = Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
-        self.v_proj = Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        width = in_features or cfg.hidden_size
+        self.q_proj = Linear(width, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(width, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = Linear(width, self.n_kv * self.head_dim, bias=bias)
         self.o_proj = Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
         if cfg.qk_norm:  # Qwen3: RMSNorm over each head's query and key
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)

@@ -12,21 +12,17 @@ position is weighted by exp(-(k-1)/gamma): a draft is worth only its accepted pr
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from failfast.errors import FailfastError
-from failfast.model import ModelConfig, Transformer, load_model
+from failfast.model import ModelConfig, Transformer
 from failfast.model.dflash import DFlashModel
-from failfast.train.data import PreparedData
-from failfast.train.draft_vocab import write_draft_vocab
-from failfast.train.loop import TrainSettings, train
-from failfast.train.selfdistill import MANIFEST_FILE, load_rows
-from failfast.train.tokenizer import special_ids
+from failfast.train.feature_drafters import (DEFAULT_DECAY_GAMMA, FeatureTraining, continued, default_target_layers,
+                                             drafter_config, initialised, weighted_cross_entropy)
+from failfast.train.loop import TrainSettings
 
 # Windows per row and step, by pass index (0: a round's first pass, j: its j-th extension).
 # First passes dominate, as in drafting, where every round runs one and few run extensions.
@@ -34,7 +30,6 @@ from failfast.train.tokenizer import special_ids
 # first-pass windows give 3x the first-pass examples of 4 for 1.2x the step time (1 thread,
 # bf16 autocast, draft-vocabulary head).
 WINDOW_PASSES = (0,) * 12 + (1, 2)
-DEFAULT_DECAY_GAMMA = 7.0  # DFlash's choice for blocks of 16
 
 
 def window_shape(pass_index: int, block_size: int) -> tuple[int, int]:
@@ -44,31 +39,12 @@ def window_shape(pass_index: int, block_size: int) -> tuple[int, int]:
     return (pass_index + 1) * block_size, pass_index * block_size
 
 
-def default_target_layers(num_layers: int) -> tuple[int, ...]:
-    """Low, middle and last layer of the target: the spread z-lab's drafters read."""
-    return tuple(sorted({1 % num_layers, num_layers // 2, num_layers - 1}))
-
-
 def new_dflash(target: ModelConfig, layers: int, target_layer_ids: tuple[int, ...], block_size: int,
                mask_token_id: int, seed: int) -> DFlashModel:
     """A fresh DFlash drafter for `target`: Qwen3 layers of the target's width and heads."""
-    if any(not 0 <= i < target.num_hidden_layers for i in target_layer_ids):
-        raise FailfastError(f"target layers {list(target_layer_ids)} do not exist in a {target.num_hidden_layers}-layer target")
-    cfg = ModelConfig(vocab_size=target.vocab_size, hidden_size=target.hidden_size,
-                      intermediate_size=target.intermediate_size, num_hidden_layers=layers,
-                      num_attention_heads=target.num_attention_heads, num_key_value_heads=target.num_key_value_heads,
-                      max_position_embeddings=target.max_position_embeddings, rms_norm_eps=target.rms_norm_eps,
-                      rope_theta=target.rope_theta, head_dim=target.head_dim, eos_token_ids=target.eos_token_ids,
-                      model_type="qwen3", attention_bias=False, qk_norm=True, mask_token_id=mask_token_id,
-                      block_size=block_size, target_layer_ids=tuple(sorted(target_layer_ids)),
-                      extra={"num_target_layers": target.num_hidden_layers})
+    cfg = drafter_config(target, layers, target_layer_ids, mask_token_id=mask_token_id, block_size=block_size)
     torch.manual_seed(seed)
-    model = DFlashModel(cfg)
-    scale = 0.02 / (2 * layers) ** 0.5
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, std=scale if name.endswith(("o_proj", "down_proj")) else 0.02)
-    return model
+    return initialised(DFlashModel(cfg), layers)
 
 
 def anchor_windows(batch: int, length: int, block_size: int, first_anchor: int, generator: torch.Generator,
@@ -112,37 +88,9 @@ def dflash_loss(model: DFlashModel, target: Transformer, tokens: Tensor, generat
     sees_context = torch.arange(length, device=device)[None, None, :] < anchors[:, :, None]
     same_window = (window_of[:, None] == window_of[None, :]).expand(b, -1, -1)
     hidden = model.hidden(inputs, positions, context, torch.cat([sees_context, same_window], dim=2)[:, None])
-    labels = window_tokens[:, masked].flatten()
     weights = torch.exp(-(rank[masked] - 1).float() / decay_gamma).expand(b, -1).flatten()
-    if vocab is None:
-        logits = target.lm_head(hidden[:, masked]).float()
-    else:
-        vocab = vocab.to(device)
-        logits = F.linear(hidden[:, masked], target.lm_head.weight[vocab]).float()
-        index = torch.searchsorted(vocab, labels).clamp(max=len(vocab) - 1)
-        inside = vocab[index] == labels
-        labels, weights = torch.where(inside, index, 0), weights * inside
-    losses = F.cross_entropy(logits.flatten(0, 1), labels, reduction="none")
-    return (weights * losses).sum() / weights.sum().clamp(min=1e-6)
-
-
-def initial_dflash(init: Path, target: ModelConfig, target_layer_ids: tuple[int, ...] | None,
-                   block_size: int | None) -> DFlashModel:
-    """A trained DFlash drafter to continue from (float32), checked against the target and
-    against any layer ids or block size asked for."""
-    loaded = load_model(init)
-    cfg = loaded.config
-    if not cfg.is_dflash:
-        raise FailfastError(f"--init {init} is not a DFlash drafter")
-    if (cfg.hidden_size, cfg.vocab_size) != (target.hidden_size, target.vocab_size):
-        raise FailfastError(f"DFlash drafter {init} (hidden {cfg.hidden_size}, vocabulary {cfg.vocab_size}) does not "
-                            f"fit the target (hidden {target.hidden_size}, vocabulary {target.vocab_size})")
-    asked = {"target layers": (target_layer_ids and tuple(sorted(target_layer_ids)), cfg.target_layer_ids),
-             "block size": (block_size, cfg.block_size)}
-    for what, (want, has) in asked.items():
-        if want and want != has:
-            raise FailfastError(f"DFlash drafter {init} has {what} {has}, not the {want} asked for")
-    return loaded.model.requires_grad_(True)
+    return weighted_cross_entropy(hidden[:, masked].flatten(0, 1), target.lm_head, window_tokens[:, masked].flatten(),
+                                  weights, vocab)
 
 
 def train_dflash(target_dir: Path, data_dir: Path, rows: Path, out: Path, settings: TrainSettings, *,
@@ -157,27 +105,16 @@ def train_dflash(target_dir: Path, data_dir: Path, rows: Path, out: Path, settin
     if (block_size is not None and block_size < 2) or decay_gamma <= 0 or layers < 1:
         raise FailfastError(f"need block size >= 2, decay gamma > 0 and >= 1 layer, got {block_size}, "
                             f"{decay_gamma} and {layers}")
-    data = PreparedData.load(data_dir)
-    _, mask_id = special_ids(data.tokenizer)
-    target = load_model(target_dir)
-    if target.config.vocab_size != data.tokenizer.vocab_size:
-        raise FailfastError(f"target {target_dir} has vocabulary size {target.config.vocab_size}, the corpus "
-                            f"tokenizer {data.tokenizer.vocab_size}")
+    job = FeatureTraining.load(target_dir, data_dir, rows, out, draft_vocab_size)
+    target = job.target.config
     if init is not None:
-        model = initial_dflash(Path(init), target.config, target_layer_ids, block_size)
+        model = continued(Path(init), target, "DFlash", lambda c: c.is_dflash,
+                          {"target_layer_ids": target_layer_ids and tuple(sorted(target_layer_ids)),
+                           "block_size": block_size})
     else:
-        layer_ids = target_layer_ids or default_target_layers(target.config.num_hidden_layers)
-        model = new_dflash(target.config, layers, layer_ids, block_size or 16, mask_id, settings.seed)
-    model.attach(target.model.model.embed_tokens, target.model.lm_head)
-    first_anchor = json.loads((Path(rows) / MANIFEST_FILE).read_text())["settings"]["prompt_len"]
-    vocab = None
-    if draft_vocab_size is not None and draft_vocab_size < target.config.vocab_size:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        vocab = torch.tensor(write_draft_vocab(Path(rows), Path(out), draft_vocab_size)["ids"])
-    loss = lambda m, batch, gen: dflash_loss(m, target.model, batch, gen, first_anchor, decay_gamma,  # noqa: E731
-                                             vocab=vocab)
-    objective = {"rows": str(rows), "target": Path(target_dir).name, "decay_gamma": decay_gamma,
-                 "window_passes": list(WINDOW_PASSES), "first_anchor": first_anchor,
-                 "draft_vocab_size": None if vocab is None else len(vocab)}
-    return train(model, loss, load_rows(rows), data.held_out, settings, out, data.tokenizer, resume=resume,
-                 resume_from=resume_from, label="DFlash drafter", objective=objective)
+        layer_ids = target_layer_ids or default_target_layers(target.num_hidden_layers)
+        model = new_dflash(target, layers, layer_ids, block_size or 16, job.mask_id, settings.seed)
+    loss = lambda m, batch, gen: dflash_loss(m, job.target.model, batch, gen, job.first_anchor, decay_gamma,  # noqa: E731
+                                             vocab=job.vocab)
+    return job.run(model, loss, rows, out, settings, "DFlash drafter",
+                   {"decay_gamma": decay_gamma, "window_passes": list(WINDOW_PASSES)}, resume, resume_from)

@@ -1,0 +1,76 @@
+"""An EAGLE-3-style chain drafter under any policy (docs/design.md, "EAGLE-3").
+
+After every verification the engine hands the drafter the target's features at the newly
+committed positions (`add_context`). At the next `begin` they are fused, and every committed
+slot j (fused feature j, committed token j+1) whose K/V are not cached yet is projected into
+the drafter's cache. The round's chain starts at the last slot, n-2 for n committed tokens
+(the last feature with the last committed token), and each step feeds its own output and
+the token it drafted to the next: one drafted token per step, each with its confidence.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from failfast.drafters.target_features import TargetFeatureDrafter
+from failfast.errors import GenerationInputError, IncompatibleModelsError
+from failfast.model import LoadedModel
+from failfast.model.kv_cache import KVCache
+from failfast.model.transformer import linear
+
+
+class Eagle3Drafter(TargetFeatureDrafter):
+    """Drafts a chain from target features; the target's embedding and head are shared."""
+
+    kind = "EAGLE-3"
+
+    def __init__(self, loaded: LoadedModel, target: LoadedModel, vocab_limit: int,
+                 draft_vocab: Sequence[int] | None = None) -> None:
+        if not loaded.config.is_eagle3:
+            raise IncompatibleModelsError(f"{loaded.path} is not an EAGLE-3 drafter (config.json needs "
+                                          "architectures [\"Eagle3DraftModel\"] and eagle_config)")
+        super().__init__(loaded, target, vocab_limit, draft_vocab)
+
+    def prepare(self, total_len: int, cache: KVCache | None = None) -> None:
+        self._allocate(total_len + 1, total_len, cache)
+        self._pending = []
+        self.fused = torch.zeros(total_len + 1, self.loaded.config.hidden_size, dtype=self.model.dtype,
+                                 device=self.model.device)
+        self.features_end = 0  # fused features held for positions [0, features_end)
+        self.true_slots = 0    # cached slots built from target features (draft slots follow them)
+
+    def begin(self, committed: list[int]) -> None:
+        n = len(committed)
+        low = self.true_slots
+        for start, features in self._take_pending():
+            self.fused[start:start + features.shape[0]] = self.model.fuse(features)
+            self.features_end = start + features.shape[0]
+            low = min(low, start)
+        if self.features_end != n - 1:
+            raise GenerationInputError(f"the EAGLE-3 drafter holds target features for {self.features_end} positions; "
+                                       f"a round after {n} committed tokens needs {n - 1}")
+        self.cache.rollback(low)  # drops last round's draft slots and any slot whose feature was replaced
+        last = max(n - 2, 0)
+        if last > low:
+            self.model.write_context(self._tensor(committed[low + 1:last + 1]), self.fused[None, low:last], low,
+                                     self.cache)
+        self.true_slots = last
+        # the chain's first slot: the last feature with the last committed token (no feature
+        # exists before a one-token prompt's first round: zeros stand in, drafts are verified)
+        self.hidden = self.fused[None, None, n - 2] if n >= 2 else torch.zeros_like(self.fused[None, None, 0])
+        self.next_token = committed[-1]
+
+    def draft(self, count: int) -> tuple[list[int], list[float]]:
+        tokens: list[int] = []
+        confs: list[float] = []
+        for _ in range(count):
+            self.hidden = self.model.step(self._tensor([self.next_token]), self.hidden, self.cache)
+            h = self.model.logits_input(self.hidden)[0, -1]
+            tok, conf = self.pick(self.model.lm_head(h) if self.head_weight is None else linear(h, self.head_weight))
+            self.forwards += 1
+            self.next_token = int(tok)
+            tokens.append(self.next_token)
+            confs.append(float(conf))
+        return tokens, confs

@@ -1,0 +1,157 @@
+"""An EAGLE-3-style chain drafter: one decoder layer over the target's fused features
+(docs/design.md, "EAGLE-3").
+
+Target features (the outputs of layers `target_layer_ids`, concatenated) are fused by `fc`
+into a hidden-size vector g_j per position j. The layer's input at slot j is the pair
+(g_j, embedding of token j+1), side by side (2 x hidden wide into q/k/v), and its output
+h_j predicts token j+2 through the target's final head. Drafting continues the chain on its
+own outputs: the next slot reads (h_j, embedding of the token just drafted). The residual
+stream is the feature (or the previous output), so h_j lives where target features live.
+Slots of committed positions, built from true target features, are cached as K/V; a
+round's draft slots are written after them and rolled back like any KV cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from failfast.errors import IncompatibleModelsError
+from failfast.model.config import ModelConfig
+from failfast.model.kv_cache import KVCache
+from failfast.model.transformer import MLP, Attention, Linear, RMSNorm, Rotary
+
+
+class Eagle3Layer(nn.Module):
+    """A Qwen3-style decoder layer whose attention reads [normed embedding, normed hidden]."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the token embedding
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)      # on the feature / previous output
+        self.self_attn = Attention(cfg, in_features=2 * cfg.hidden_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def attention_input(self, embedded: Tensor, hidden: Tensor) -> Tensor:
+        return torch.cat([self.input_layernorm(embedded), self.hidden_norm(hidden)], dim=-1)
+
+    def finish(self, hidden: Tensor, attended: Tensor) -> Tensor:
+        """The layer's output from its residual input and attention output [B, T, heads*dim]."""
+        x = hidden + self.self_attn.o_proj(attended)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Eagle3Model(nn.Module):
+    """The drafter's own weights (`fc`, `midlayer.*`, `norm`); the target's embedding and
+    output head are attached by `attach` and never saved with it."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if not cfg.is_eagle3:
+            raise IncompatibleModelsError("an EAGLE-3 model needs eagle_config target layer ids in its config")
+        self.config = cfg
+        self.fc = Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self._target: tuple[nn.Embedding, nn.Module] | None = None  # not a submodule: not saved, not trained
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    def attach(self, embed_tokens: nn.Embedding, lm_head: nn.Module) -> None:
+        """Use the target's embedding and output head (the caller matches their dtype)."""
+        self._target = (embed_tokens, lm_head)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self._parts()[0]
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self._parts()[1]
+
+    def _parts(self) -> tuple[nn.Embedding, nn.Module]:
+        if self._target is None:
+            raise IncompatibleModelsError("the EAGLE-3 drafter has no target attached (Eagle3Model.attach)")
+        return self._target
+
+    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
+        c = self.config
+        return KVCache(1, c.num_key_value_heads, c.head_dim, capacity, self.dtype, self.device, batch)
+
+    def fuse(self, features: Tensor) -> Tensor:
+        """Target features [..., len(target_layer_ids) * hidden] -> g [..., hidden]."""
+        return self.fc(features.to(self.dtype))
+
+    def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        cos, sin = self.rotary(positions, dtype)
+        if positions.dim() == 2:  # per-row tables broadcast over the heads
+            return cos[:, None], sin[:, None]
+        return cos, sin
+
+    def slot_kv(self, tokens: Tensor, hidden: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Attention input, keys and values of slots (hidden [B, T, hidden], next tokens [B, T])."""
+        x = self.midlayer.attention_input(self.embed_tokens(tokens).to(self.dtype), hidden)
+        k, v = self.midlayer.self_attn.keys_values(x, self._rope(positions, x.dtype))
+        return x, k, v
+
+    def write_context(self, tokens: Tensor, fused: Tensor, start: int, cache: KVCache) -> None:
+        """Cache the K/V of committed slots start.. (fused features [1, T, hidden], their next
+        tokens [1, T]); the cache must hold exactly [0, start)."""
+        if start != cache.length:
+            raise ValueError(f"slots from {start} but the drafter cache holds {cache.length}")
+        _, k, v = self.slot_kv(tokens, fused, torch.arange(start, start + tokens.shape[1], device=tokens.device))
+        cache.write(0, start, k, v)
+        cache.length = start + tokens.shape[1]
+
+    def step(self, tokens: Tensor, hidden: Tensor, cache: KVCache) -> Tensor:
+        """One drafting step: the slot (hidden [1, 1, hidden], next token [1, 1]) at the cache's
+        end attends to every cached slot and itself; its K/V are appended. Returns its output
+        [1, 1, hidden] (the next step's hidden; `logits_input` for its prediction)."""
+        start = cache.length
+        x, k, v = self.slot_kv(tokens, hidden, torch.arange(start, start + 1, device=tokens.device))
+        attn = self.midlayer.self_attn
+        q = attn.queries(x, self._rope(torch.arange(start, start + 1, device=tokens.device), x.dtype))
+        keys, values = cache.write(0, start, k, v)
+        cache.length = start + 1
+        out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=attn.n_kv != attn.n_heads)
+        return self.midlayer.finish(hidden, out.transpose(1, 2).reshape(1, 1, -1))
+
+    def logits_input(self, output: Tensor) -> Tensor:
+        """What the target's head reads: the normed layer output."""
+        return self.norm(output)
+
+    def unrolled(self, tokens: Tensor, fused: Tensor, steps: int) -> list[Tensor]:
+        """Training-time test: the chain run `steps` times over every slot of rows tokens
+        [B, L] with fused features [B, L, hidden]; step s reads, at slot j, the output of step
+        s-1 at slot j-1 (what drafting feeds back) and attends as drafting's s-th step does:
+        to true slots <= j-s and to step k's slot j-s+k for k = 1..s. Returns each step's
+        outputs [B, L-1, hidden]; slot j of step s predicts token j+2 and is meaningful for
+        j >= s (earlier slots have no chain to continue)."""
+        slots = tokens.shape[1] - 1
+        positions = torch.arange(slots, device=tokens.device)
+        rope = self._rope(positions, self.dtype)
+        attn = self.midlayer.self_attn
+        hidden, keys, values, outputs = fused[:, :slots], [], [], []
+        for s in range(steps):
+            if s:
+                hidden = F.pad(outputs[-1][:, :-1], (0, 0, 1, 0))  # slot j reads step s-1's slot j-1
+            x = self.midlayer.attention_input(self.embed_tokens(tokens[:, 1:]).to(hidden.dtype), hidden)
+            k, v = attn.keys_values(x, rope)
+            keys.append(k)
+            values.append(v)
+            mask = torch.cat([positions[None, :] <= positions[:, None] - s]
+                             + [positions[None, :] == positions[:, None] - s + i for i in range(1, s + 1)], dim=1)
+            out = F.scaled_dot_product_attention(attn.queries(x, rope), torch.cat(keys, 2), torch.cat(values, 2),
+                                                 attn_mask=mask, enable_gqa=attn.n_kv != attn.n_heads)
+            b = tokens.shape[0]
+            outputs.append(self.midlayer.finish(hidden, out.transpose(1, 2).reshape(b, slots, -1)))
+        return outputs
