@@ -42,6 +42,10 @@ STAGES = {
                        "output head (z-lab's DFlashDraftModel layout)",
                        [("DFlash training on the target's self-distilled continuations", "dflash-drafter"),
                         ("continued: 12 first-pass windows per row, loss on the draft vocabulary", "dflash-drafter-v2")]),
+    "eagle3-drafter": ("EAGLE-3-style chain drafter: one layer over the target's fused layer outputs and the token "
+                       "embedding, shares the target's embedding and output head",
+                       [("EAGLE-3 training (training-time test) on the target's self-distilled continuations",
+                         "eagle3-drafter")]),
 }
 SHARD_BYTES = 16 * 2**20  # keep every shipped file small
 
@@ -101,7 +105,7 @@ def card(name: str, title: str, stages: list[tuple[str, str]], runs: Path, manif
         "",
         "| | |", "|---|---|",
         f"| parameters | {params / 1e6:.2f}M "
-        f"({'plus the target embedding and head it shares' if cfg.is_dflash else 'tied input/output embeddings'}) |",
+        f"({'plus the target embedding and head it shares' if cfg.reads_target else 'tied input/output embeddings'}) |",
         f"| shape | {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, MLP {cfg.intermediate_size}, "
         f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads, context {cfg.max_position_embeddings} |",
         f"| vocabulary | {cfg.vocab_size} (byte-level BPE on the corpus; `<|endoftext|>` id {cfg.eos_token_ids[0]}, "
@@ -110,6 +114,8 @@ def card(name: str, title: str, stages: list[tuple[str, str]], runs: Path, manif
     if cfg.is_dflash:
         lines.append(f"| DFlash | block size {cfg.block_size}, mask token id {cfg.mask_token_id}, reads target layers "
                      f"{', '.join(map(str, cfg.target_layer_ids))} |")
+    elif cfg.is_eagle3:
+        lines.append(f"| EAGLE-3 | one layer, reads target layers {', '.join(map(str, cfg.target_layer_ids))} |")
     elif cfg.block_size:
         lines.append(f"| block diffusion | block size {cfg.block_size}, sub-block {cfg.sub_block_size}, "
                      f"mask token id {cfg.mask_token_id} |")

@@ -284,28 +284,32 @@ def test_position_decay_weights_a_blocks_first_masked_tokens_most():
     assert float(decayed) != pytest.approx(float(plain), rel=1e-3)
 
 
-def test_dflash_stage_trains_on_the_draft_vocabulary_and_continues_a_drafter(data_dir, tmp_path, capsys):
+@pytest.mark.parametrize("stage", ["dflash", "eagle3"])
+def test_feature_drafter_stages_train_on_the_draft_vocabulary_and_continue(data_dir, tmp_path, capsys, stage):
     train_ar(data_dir, tmp_path / "target", "tiny", _settings(10))
     sd = SelfDistillSettings(tokens=8 * 40, prompt_len=8, new_tokens=40, batch_size=4, shard_batches=1,
                              sampled_share=0.0, temperature=1.0, seed=0)
     generate_self_distillation(tmp_path / "target", data_dir, tmp_path / "sd", sd)
+    shape = ["--block-size", "4"] if stage == "dflash" else []
     common = ["--target", str(tmp_path / "target"), "--rows", str(tmp_path / "sd"), "--data", str(data_dir),
-              "--steps", "3", "--batch-size", "2", "--seq-len", "48", "--save-every", "3", "--no-compile",
-              "--block-size", "4"]
-    assert main(["train", "dflash", "--out", str(tmp_path / "d1"), "--draft-vocab-size", "40", *common]) == 0
+              "--steps", "3", "--batch-size", "2", "--seq-len", "48", "--save-every", "3", "--no-compile"]
+    assert main(["train", stage, "--out", str(tmp_path / "d1"), "--draft-vocab-size", "40", *common, *shape]) == 0
     vocab = json.loads((tmp_path / "d1" / "draft_vocab.json").read_text())
     report = json.loads((tmp_path / "d1" / "training.json").read_text())
     assert vocab["size"] == 40 and report["objective"]["draft_vocab_size"] == 40
-    # continuing a trained drafter keeps its shape; a drafter of another block size, or no DFlash drafter, is refused
-    assert main(["train", "dflash", "--out", str(tmp_path / "d2"), "--init", str(tmp_path / "d1"), *common]) == 0
-    assert load_model(tmp_path / "d2").config.target_layer_ids == load_model(tmp_path / "d1").config.target_layer_ids
+    assert report["history"][-1]["loss"] > 0
+    first = load_model(tmp_path / "d1").config
+    assert first.is_dflash == (stage == "dflash") and first.is_eagle3 == (stage == "eagle3")
+    # continuing a trained drafter keeps its shape; another shape, or another kind, is refused
+    assert main(["train", stage, "--out", str(tmp_path / "d2"), "--init", str(tmp_path / "d1"), *common]) == 0
+    assert load_model(tmp_path / "d2").config.target_layer_ids == first.target_layer_ids
     assert json.loads((tmp_path / "d2" / "training.json").read_text())["objective"]["draft_vocab_size"] is None  # 2048 > 300
     capsys.readouterr()
-    assert main(["train", "dflash", "--out", str(tmp_path / "d3"), "--init", str(tmp_path / "d1"),
-                 *common[:-1], "8"]) == 2
-    assert "block size 4, not the 8 asked for" in capsys.readouterr().err
-    assert main(["train", "dflash", "--out", str(tmp_path / "d4"), "--init", str(tmp_path / "target"), *common]) == 2
-    assert "is not a DFlash drafter" in capsys.readouterr().err
+    assert main(["train", stage, "--out", str(tmp_path / "d3"), "--init", str(tmp_path / "d1"),
+                 "--target-layers", "1", *common]) == 2
+    assert f"target layer ids {first.target_layer_ids}, not the (1,) asked for" in capsys.readouterr().err
+    assert main(["train", stage, "--out", str(tmp_path / "d4"), "--init", str(tmp_path / "target"), *common]) == 2
+    assert "drafter" in capsys.readouterr().err
 
 
 def test_dflash_loss_on_a_draft_vocabulary_ignores_tokens_outside_it(data_dir, tmp_path):

@@ -162,9 +162,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         specs = [s for s in specs if s.name in wanted]
     prompts = load_dataset(args.dataset, args.prompts)
     dtype = resolve_dtype(args.dtype)
-    factory = MethodFactory(resolve_model(args.target), resolve_model(args.ar_drafter),
-                            resolve_model(args.dllm_drafter), dtype,
-                            resolve_model(args.dflash_drafter) if any(s.kind == "dflash-drafter" for s in specs) else None)
+    factory = MethodFactory(resolve_model(args.target), {"ar": args.ar_drafter, "dllm": args.dllm_drafter,
+                                                         "dflash": args.dflash_drafter, "eagle3": args.eagle3_drafter},
+                            dtype)
     results = run_bench(factory, specs, prompts, args.max_new_tokens, args.repeats)
     meta = {"dataset": args.dataset, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
             "repeats": args.repeats, "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."),
@@ -360,6 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--ar-drafter", default="ar-drafter")
     b.add_argument("--dllm-drafter", default=DEFAULT_DRAFTER)
     b.add_argument("--dflash-drafter", default="dflash-drafter", help="DFlash drafter of the dflash methods")
+    b.add_argument("--eagle3-drafter", default="eagle3-drafter", help="EAGLE-3 drafter of the eagle3 methods")
     b.add_argument("--threads", type=int, help="torch CPU threads")
     b.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
                    help="auto as for generate; float64 makes the token-identity check immune to rounding near-ties")

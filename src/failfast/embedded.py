@@ -7,7 +7,7 @@ from pathlib import Path
 from failfast.errors import CheckpointError
 
 MODELS_DIR = Path(__file__).parent / "models"
-EMBEDDED = ("target", "ar-drafter", "dllm-drafter", "dflash-drafter")
+EMBEDDED = ("target", "ar-drafter", "dllm-drafter", "dflash-drafter", "eagle3-drafter")
 DEFAULT_TARGET = "target"
 DEFAULT_DRAFTER = "dllm-drafter"
 CORPUS_MANIFEST = MODELS_DIR / "corpus.json"  # which stdlib files the models never saw

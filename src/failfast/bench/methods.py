@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from failfast.drafters import Drafter, make_drafter
+from failfast.embedded import resolve_model
 from failfast.drafters.block_diffusion import DEFAULT_DENOISE, DEFAULT_UNMASK_THRESHOLD
 from failfast.bench.oracle import OracleDrafter
 from failfast.decode.engine import SpeculativeEngine
@@ -33,7 +34,7 @@ Runner = Callable[[list[int], int, list[int]], MethodOutput]
 @dataclass(frozen=True)
 class MethodSpec:
     name: str
-    kind: str                      # ar | hf | hf-assisted | ar-drafter | dllm-drafter | dflash-drafter | oracle
+    kind: str                      # ar | hf | hf-assisted | {ar,dllm,dflash,eagle3}-drafter | oracle
     policy: Policy | PolicyFactory | None = None
     unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD
     denoise: str = DEFAULT_DENOISE  # block-diffusion pass: prefix, sub-block (block cache) or full-block
@@ -50,6 +51,9 @@ class MethodSpec:
 
 
 DFLASH_BLOCK = 16  # the shipped DFlash drafter's block
+EAGLE3_SWEEP = (3, 5, 8)  # fixed chain lengths swept for the `eagle3` baseline
+EAGLE3_BEST_K = 5         # the sweep's fastest on the embedded models (README, "Results")
+EAGLE3_CHUNK = 4          # FailFast over a chain: a chunk is drafted token by token, so short chunks stop soon
 
 
 def default_methods() -> list[MethodSpec]:
@@ -86,6 +90,11 @@ def default_methods() -> list[MethodSpec]:
         # DFlash: one 16-position block drafts 15 tokens; FailFast extends a confident block a block per pass
         MethodSpec("dflash-fixed-16", "dflash-drafter", Fixed(DFLASH_BLOCK - 1)),
         MethodSpec("failfast-dflash", "dflash-drafter", FailFast(chunk=DFLASH_BLOCK - 1, max_draft=60)),
+        MethodSpec("failfast-dflash-cost", "dflash-drafter", cost_aware(chunk=DFLASH_BLOCK - 1)),
+        # EAGLE-3: a chain of one token per pass; its best fixed length by the README's sweep
+        *(MethodSpec(f"eagle3-fixed-{k}", "eagle3-drafter", Fixed(k)) for k in EAGLE3_SWEEP),
+        MethodSpec("eagle3", "eagle3-drafter", Fixed(EAGLE3_BEST_K)),
+        MethodSpec("failfast-eagle3", "eagle3-drafter", FailFast(chunk=EAGLE3_CHUNK)),
         MethodSpec("oracle", "oracle", Fixed(60)),
     ]
 
@@ -93,9 +102,10 @@ def default_methods() -> list[MethodSpec]:
 class MethodFactory:
     """Loads each model once and builds runners that share them."""
 
-    def __init__(self, target: Path, ar_drafter: Path, dllm_drafter: Path, dtype: torch.dtype = torch.float32,
-                 dflash_drafter: Path | None = None) -> None:
-        self.paths = {"target": target, "ar": ar_drafter, "dllm": dllm_drafter, "dflash": dflash_drafter}
+    def __init__(self, target: Path, drafters: dict[str, str | Path], dtype: torch.dtype = torch.float32) -> None:
+        """`drafters`: folder or embedded name of each drafter kind (ar, dllm, dflash, eagle3),
+        resolved when a method first needs it."""
+        self.paths: dict[str, str | Path] = {"target": target, **drafters}
         self.dtype = dtype
         self.target = load_model(target, dtype=dtype)
         self._loaded: dict[tuple[str, torch.dtype], LoadedModel] = {}
@@ -104,13 +114,13 @@ class MethodFactory:
     def _drafter_model(self, which: str, dtype: torch.dtype | None = None) -> LoadedModel:
         key = (which, dtype or self.dtype)
         if key not in self._loaded:
-            self._loaded[key] = load_model(self.paths[which], dtype=key[1])
+            self._loaded[key] = load_model(resolve_model(self.paths[which]), dtype=key[1])
         return self._loaded[key]
 
     def _hf_model(self, which: str) -> torch.nn.Module:
         if which not in self._hf:
             from transformers import Qwen2ForCausalLM
-            self._hf[which] = Qwen2ForCausalLM.from_pretrained(self.paths[which], dtype=self.dtype).eval()
+            self._hf[which] = Qwen2ForCausalLM.from_pretrained(resolve_model(self.paths[which]), dtype=self.dtype).eval()
         return self._hf[which]
 
     def _hf_runner(self, assistant: torch.nn.Module | None, schedule: str | None) -> Runner:
@@ -136,7 +146,7 @@ class MethodFactory:
         if spec.kind == "hf-assisted":
             return self._hf_runner(self._hf_model("ar"), spec.schedule)
         drafter: Drafter | None = None
-        if spec.kind in ("ar-drafter", "dllm-drafter", "dflash-drafter"):  # what make_drafter builds for users
+        if spec.kind in ("ar-drafter", "dllm-drafter", "dflash-drafter", "eagle3-drafter"):  # as make_drafter builds for users
             drafter = make_drafter(self.target, self._drafter_model(spec.kind.removesuffix("-drafter"), spec.drafter_dtype),
                                    spec.unmask_threshold, spec.denoise, spec.sub_block_size, spec.full_vocab)
         elif spec.kind == "oracle":

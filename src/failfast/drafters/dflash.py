@@ -40,6 +40,7 @@ class DFlashDrafter(TargetFeatureDrafter):
         super().__init__(loaded, target, vocab_limit, draft_vocab, banned=(cfg.mask_token_id,))
         self.mask_id = cfg.mask_token_id
         self.block_size = cfg.block_size
+        self.tokens_per_pass = cfg.block_size - 1  # of a round's first pass
         self.max_passes = max_passes
 
     def prepare(self, total_len: int, cache: KVCache | None = None) -> None:
