@@ -1,6 +1,6 @@
 """Batched decoding: every row equals its single-sequence output (float64, CPU), whatever the
 drafter, policy, prompt lengths, finishing rounds, joining order and sampling seeds; batched
-drafting (AR and block-diffusion drafters) proposes exactly the drafts each row would alone."""
+drafting (AR, block-diffusion and DFlash drafters) proposes exactly the drafts each row would alone."""
 
 from __future__ import annotations
 
@@ -122,6 +122,27 @@ def test_block_diffusion_rows_denoise_together(random_models, monkeypatch, denoi
     monkeypatch.setattr(Transformer, "forward_ragged", recording)
     _check_batches(engine, _requests())
     assert max(rows_per_pass) == len(LENGTHS) - 1  # every row but the one-token one (it never drafts)
+
+
+def test_dflash_rows_run_their_passes_together(random_models, monkeypatch):
+    """DFlash rows at different context lengths run their first and extension passes in one
+    forward and draft what each drafts alone (`_check_batches`)."""
+    from failfast.model.dflash import DFlashModel
+
+    target = load_model(random_models["target"], dtype=torch.float64)
+    drafter = load_model(random_models["random-dflash"], dtype=torch.float64)
+    forwards = []  # (rows, widest block) of each batched pass
+    real = DFlashModel.draft_passes
+
+    def recording(self, windows, rows, starts, cache):
+        forwards.append((len(windows), max(map(len, windows))))
+        return real(self, windows, rows, starts, cache)
+    monkeypatch.setattr(DFlashModel, "draft_passes", recording)
+    engine = SpeculativeEngine(target, make_drafter(target, drafter), FailFast(tau=0.0, chunk=3, max_draft=20))
+    _check_batches(engine, _requests())
+    block = drafter.config.block_size
+    assert max(rows for rows, _ in forwards) == len(LENGTHS) - 1  # every row but the one with no draft budget
+    assert any(rows > 1 and width > block for rows, width in forwards)  # extension passes together
 
 
 def test_ragged_forward_equals_one_row_forwards(random_models):

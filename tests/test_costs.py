@@ -62,6 +62,15 @@ def test_measure_costs_times_every_point(random_models):
     assert drafter.forwards > 0
 
 
+def test_a_block_drafter_is_timed_on_one_pass(random_models):
+    """A DFlash pass drafts block_size - 1 tokens; timing 16 would add a second pass for one token."""
+    target = load_model(random_models["target"])
+    drafter = make_drafter(target, load_model(random_models["random-dflash"]))
+    measure_costs(target, drafter, prompt_of(12), repeats=3)
+    assert drafter.tokens_per_pass == drafter.block_size - 1
+    assert drafter.forwards == 1 + 3  # the warm-up and each repeat: one pass
+
+
 def test_calibrator_starts_at_each_bins_centre_and_learns_reached_tokens_only():
     cal = AcceptanceCalibrator(bins=10, prior=4.0)
     assert cal.probability(0.03) == pytest.approx(0.05) and cal.probability(0.97) == pytest.approx(0.95)

@@ -220,6 +220,9 @@ class SpeculativeEngine:
                 remaining[slot] = min(self.policy.request([]), seq.budget)
         while wants := {slot: n for slot, n in remaining.items() if n > 0}:
             for slot, (new, new_confs) in type(drafters[0]).draft_rows(drafters, wants, shared).items():
+                if not new:  # the drafter has nothing more to propose
+                    remaining[slot] = 0
+                    continue
                 tokens, confs = drafted[slot]
                 tokens += new
                 confs += new_confs

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from torch import Tensor
+
 
 from failfast.drafters.target_features import TargetFeatureDrafter
 from failfast.errors import GenerationInputError, IncompatibleModelsError
@@ -25,9 +27,13 @@ MAX_PASSES = 4  # windows of up to 4 blocks: 63 drafted tokens with blocks of 16
 
 
 class DFlashDrafter(TargetFeatureDrafter):
-    """Drafts blocks from target features; the target's embedding and head are shared."""
+    """Drafts blocks from target features; the target's embedding and head are shared.
 
-    kind = "DFlash"
+    Batches (docs/design.md, "Batching"): each row's copy keeps its context in its row of one
+    shared cache, and `draft_rows` runs the passes of several rows in one forward.
+    """
+
+    batchable = True
 
     def __init__(self, loaded: LoadedModel, target: LoadedModel, vocab_limit: int,
                  draft_vocab: Sequence[int] | None = None, max_passes: int = MAX_PASSES) -> None:
@@ -65,21 +71,57 @@ class DFlashDrafter(TargetFeatureDrafter):
         self.handed = 0
         self.passes = 0
 
-    def _run_pass(self) -> None:
+    def _window(self) -> tuple[list[int], int]:
+        """The next pass's block (known tokens, then masks) and its number of masks."""
         masks = self.block_size - 1 if len(self.window) == 1 else self.block_size
-        tokens = self._tensor(self.window + [self.mask_id] * masks)
-        hidden = self.model.draft_pass(tokens, self.cache.length, self.cache)
-        out = hidden[0, -masks:]
+        return self.window + [self.mask_id] * masks, masks
+
+    def _take_pass(self, hidden: Tensor, masks: int) -> None:
+        """Decode a pass's final hidden states [W, hidden] at its masks."""
+        out = hidden[-masks:]
         tok, conf = self.pick(self.model.lm_head(out) if self.head_weight is None else linear(out, self.head_weight))
         self.window += tok.tolist()
         self.window_confs += conf.tolist()
         self.passes += 1
         self.forwards += 1
 
-    def draft(self, count: int) -> tuple[list[int], list[float]]:
-        """Up to `count` more tokens; fewer only when `max_passes` passes are spent."""
-        while len(self.window_confs) - self.handed < count and self.passes < self.max_passes:
-            self._run_pass()
+    def _run_pass(self) -> None:
+        window, masks = self._window()
+        self._take_pass(self.model.draft_pass(self._tensor(window), self.cache.length, self.cache)[0], masks)
+
+    def _drafted_unhanded(self) -> int:
+        return len(self.window_confs) - self.handed
+
+    def _hand(self, count: int) -> tuple[list[int], list[float]]:
         lo = self.handed
         self.handed = min(lo + count, len(self.window_confs))
         return self.window[1 + lo:1 + self.handed], self.window_confs[lo:self.handed]
+
+    def draft(self, count: int) -> tuple[list[int], list[float]]:
+        """Up to `count` more tokens; fewer only when `max_passes` passes are spent."""
+        while self._drafted_unhanded() < count and self.passes < self.max_passes:
+            self._run_pass()
+        return self._hand(count)
+
+    def batch_capacity(self, positions: int) -> int:
+        """Positions per row of a batch's shared cache: as many as one row needs."""
+        return positions + self.max_passes * self.block_size
+
+    @staticmethod
+    def draft_rows(drafters: list["DFlashDrafter"], wants: dict[int, int],
+                   shared: KVCache) -> dict[int, tuple[list[int], list[float]]]:
+        """Draft tokens (up to wants[slot]; none once a row's passes are spent) for every slot
+        in `wants`: rows whose drafted tokens are all handed out run their next pass together
+        in one forward over their rows of `shared`, each the pass it would run alone."""
+        passing = [slot for slot in wants if drafters[slot]._drafted_unhanded() == 0
+                   and drafters[slot].passes < drafters[slot].max_passes]
+        if len(passing) == 1:
+            drafters[passing[0]]._run_pass()
+        elif passing:
+            plans = [drafters[slot]._window() for slot in passing]
+            model = drafters[passing[0]].model
+            hidden = model.draft_passes([w for w, _ in plans], passing, [drafters[s].cache.length for s in passing],
+                                        shared)
+            for slot, part, (_, masks) in zip(passing, hidden, plans):
+                drafters[slot]._take_pass(part, masks)
+        return {slot: drafters[slot]._hand(wants[slot]) for slot in wants}

@@ -24,8 +24,6 @@ from failfast.model.transformer import linear
 class Eagle3Drafter(TargetFeatureDrafter):
     """Drafts a chain from target features; the target's embedding and head are shared."""
 
-    kind = "EAGLE-3"
-
     def __init__(self, loaded: LoadedModel, target: LoadedModel, vocab_limit: int,
                  draft_vocab: Sequence[int] | None = None) -> None:
         if not loaded.config.is_eagle3:

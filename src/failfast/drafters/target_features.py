@@ -18,16 +18,14 @@ class TargetFeatureDrafter(ModelDrafter):
     """Base of drafters whose model has `attach(embed, head)` and reads target layers
     `target_layers` (the engine taps them in every verification forward)."""
 
-    kind = "target-feature"  # named in errors
-
     def __init__(self, loaded: LoadedModel, target: LoadedModel, vocab_limit: int,
                  draft_vocab: Sequence[int] | None = None, banned: tuple[int, ...] = ()) -> None:
-        cfg, tcfg = loaded.config, target.config
+        cfg, tcfg, kind = loaded.config, target.config, loaded.model.kind
         if cfg.hidden_size != tcfg.hidden_size:
-            raise IncompatibleModelsError(f"{self.kind} drafter {loaded.path} has hidden size {cfg.hidden_size}; it "
+            raise IncompatibleModelsError(f"{kind} drafter {loaded.path} has hidden size {cfg.hidden_size}; it "
                                           f"shares the target's embedding and head, whose hidden size is {tcfg.hidden_size}")
         if max(cfg.target_layer_ids) >= tcfg.num_hidden_layers:
-            raise IncompatibleModelsError(f"{self.kind} drafter {loaded.path} reads target layers "
+            raise IncompatibleModelsError(f"{kind} drafter {loaded.path} reads target layers "
                                           f"{list(cfg.target_layer_ids)}; the target has {tcfg.num_hidden_layers} layers")
         model = loaded.model
         dtype = model.dtype

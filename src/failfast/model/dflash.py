@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from failfast.errors import IncompatibleModelsError
+from failfast.model.borrowed import BorrowsTargetParts
 from failfast.model.config import ModelConfig
 from failfast.model.kv_cache import KVCache
 from failfast.model.transformer import MLP, Attention, Linear, RMSNorm, Rotary
@@ -48,9 +49,11 @@ class DFlashLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DFlashModel(nn.Module):
+class DFlashModel(BorrowsTargetParts):
     """The drafter's own weights (`fc`, `hidden_norm`, `layers.N.*`, `norm`); the target's
     embedding and output head are attached by `attach` and never saved with it."""
+
+    kind = "DFlash"
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -62,32 +65,6 @@ class DFlashModel(nn.Module):
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
-        self._target: tuple[nn.Embedding, nn.Module] | None = None  # not a submodule: not saved, not trained
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.fc.weight.device
-
-    def attach(self, embed_tokens: nn.Embedding, lm_head: nn.Module) -> None:
-        """Use the target's embedding and output head (the caller matches their dtype)."""
-        self._target = (embed_tokens, lm_head)
-
-    @property
-    def embed_tokens(self) -> nn.Embedding:
-        return self._parts()[0]
-
-    @property
-    def lm_head(self) -> nn.Module:
-        return self._parts()[1]
-
-    def _parts(self) -> tuple[nn.Embedding, nn.Module]:
-        if self._target is None:
-            raise IncompatibleModelsError("the DFlash drafter has no target attached (DFlashModel.attach)")
-        return self._target
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         c = self.config
@@ -134,3 +111,20 @@ class DFlashModel(nn.Module):
         positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
         context = [(cache.keys[i][:, :, :start], cache.values[i][:, :, :start]) for i in range(len(self.layers))]
         return self.hidden(tokens, positions, context, None)
+
+    def draft_passes(self, windows: list[list[int]], rows: list[int], starts: list[int], cache: KVCache) -> list[Tensor]:
+        """Several rows' blocks in one forward: row i's block `windows[i]` at positions
+        starts[i].. against the context [0, starts[i]) of cache row rows[i]; each row's final
+        hidden states [len(windows[i]), hidden] (blocks padded to the longest, masked out)."""
+        device = self.device
+        width, context_len = max(map(len, windows)), max(starts)
+        tokens = torch.tensor([w + w[-1:] * (width - len(w)) for w in windows], device=device)
+        start = torch.tensor(starts, device=device)[:, None]
+        index = torch.tensor(rows, device=device)
+        context = [(cache.keys[i][index, :, :context_len], cache.values[i][index, :, :context_len])
+                   for i in range(len(self.layers))]
+        sees_context = torch.arange(context_len, device=device)[None, :] < start
+        sees_block = torch.arange(width, device=device)[None, :] < torch.tensor([len(w) for w in windows], device=device)[:, None]
+        mask = torch.cat([sees_context, sees_block], dim=1)[:, None, None, :].expand(-1, 1, width, -1)
+        hidden = self.hidden(tokens, start + torch.arange(width, device=device), context, mask)
+        return [hidden[i, :len(w)] for i, w in enumerate(windows)]

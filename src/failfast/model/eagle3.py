@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from failfast.errors import IncompatibleModelsError
+from failfast.model.borrowed import BorrowsTargetParts
 from failfast.model.config import ModelConfig
 from failfast.model.kv_cache import KVCache
 from failfast.model.transformer import MLP, Attention, Linear, RMSNorm, Rotary
@@ -43,9 +44,11 @@ class Eagle3Layer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Eagle3Model(nn.Module):
+class Eagle3Model(BorrowsTargetParts):
     """The drafter's own weights (`fc`, `midlayer.*`, `norm`); the target's embedding and
     output head are attached by `attach` and never saved with it."""
+
+    kind = "EAGLE-3"
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -56,32 +59,6 @@ class Eagle3Model(nn.Module):
         self.midlayer = Eagle3Layer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
-        self._target: tuple[nn.Embedding, nn.Module] | None = None  # not a submodule: not saved, not trained
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.fc.weight.device
-
-    def attach(self, embed_tokens: nn.Embedding, lm_head: nn.Module) -> None:
-        """Use the target's embedding and output head (the caller matches their dtype)."""
-        self._target = (embed_tokens, lm_head)
-
-    @property
-    def embed_tokens(self) -> nn.Embedding:
-        return self._parts()[0]
-
-    @property
-    def lm_head(self) -> nn.Module:
-        return self._parts()[1]
-
-    def _parts(self) -> tuple[nn.Embedding, nn.Module]:
-        if self._target is None:
-            raise IncompatibleModelsError("the EAGLE-3 drafter has no target attached (Eagle3Model.attach)")
-        return self._target
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         c = self.config
