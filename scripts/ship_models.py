@@ -106,7 +106,7 @@ def card(name: str, title: str, stages: list[tuple[str, str]], runs: Path, manif
         "| | |", "|---|---|",
         f"| parameters | {params / 1e6:.2f}M "
         f"({'plus the target embedding and head it shares' if cfg.reads_target else 'tied input/output embeddings'}) |",
-        f"| shape | {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, MLP {cfg.intermediate_size}, "
+        f"| shape | {cfg.num_hidden_layers} layer{'s' if cfg.num_hidden_layers != 1 else ''}, hidden {cfg.hidden_size}, MLP {cfg.intermediate_size}, "
         f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads, context {cfg.max_position_embeddings} |",
         f"| vocabulary | {cfg.vocab_size} (byte-level BPE on the corpus; `<|endoftext|>` id {cfg.eos_token_ids[0]}, "
         f"`<|mask|>` id {loaded.tokenizer.token_id('<|mask|>')}) |",

@@ -29,7 +29,8 @@ def test_shipped_models_are_complete_16_bit_folders_under_64_mib():
 
 
 @pytest.mark.parametrize("drafter_name, policy", [("dllm-drafter", FailFast()), ("dllm-drafter", Fixed(10)),
-                                                  ("ar-drafter", FailFast()), ("dflash-drafter", FailFast(chunk=15))])
+                                                  ("ar-drafter", FailFast()), ("dflash-drafter", FailFast(chunk=15)),
+                                                  ("eagle3-drafter", FailFast(chunk=4))])
 def test_embedded_models_are_lossless(drafter_name, policy):
     target = load_model(resolve_model("target"), dtype=torch.float64)
     drafter = load_model(resolve_model(drafter_name), dtype=torch.float64)
