@@ -39,7 +39,7 @@ def word_models(random_models, tmp_path):
 
 
 def test_a_method_with_different_tokens_fails_the_bench(word_models):
-    factory = CorruptingFactory(word_models["target"], word_models["random-ar"], word_models["random-dllm"])
+    factory = CorruptingFactory(word_models["target"], {"ar": word_models["random-ar"], "dllm": word_models["random-dllm"]})
     specs = [MethodSpec("ar", "ar"), MethodSpec("dllm-fixed-3", "dllm-drafter", Fixed(3)),
              MethodSpec("broken", "dllm-drafter", Fixed(3))]
     prompts = [Prompt("p0", "<5> <6> <7>")]
