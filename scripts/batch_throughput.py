@@ -1,5 +1,5 @@
-"""Throughput of the batch regime: plain AR, the AR drafter (Fixed 4), FailFast and FailFast
-over the DFlash drafter at several batch sizes, same prompts.
+"""Throughput of the batch regime: plain AR, the AR drafter (Fixed 4), FailFast, and FailFast
+over the DFlash and EAGLE-3 drafters at several batch sizes, same prompts.
 
 Every (method, batch size) runs once per repeat, interleaved, after a warm-up; the table gives
 median tokens/s and each row's ratio to plain AR at the same batch size. Rows whose tokens
@@ -19,6 +19,7 @@ import torch
 
 from failfast import FailFast, Fixed, Pipeline, load_model, make_drafter
 from failfast.bench.datasets import load_dataset
+from failfast.bench.methods import EAGLE3_CHUNK
 from failfast.embedded import resolve_model
 from failfast.decode.engine import GenerationRequest, SpeculativeEngine
 
@@ -38,9 +39,11 @@ def main() -> None:
     dtype = pipe.target.model.dtype  # every drafter in the target's dtype, as `failfast generate` runs them
     ar_drafter = make_drafter(pipe.target, load_model(resolve_model("ar-drafter"), dtype=dtype))
     dflash = make_drafter(pipe.target, load_model(resolve_model("dflash-drafter"), dtype=dtype))
+    eagle3 = make_drafter(pipe.target, load_model(resolve_model("eagle3-drafter"), dtype=dtype))
     engines = {"ar": SpeculativeEngine(pipe.target), "ar-fixed-4": SpeculativeEngine(pipe.target, ar_drafter, Fixed(4)),
                "failfast": pipe.engine,
-               "failfast-dflash": SpeculativeEngine(pipe.target, dflash, FailFast(chunk=dflash.tokens_per_pass))}
+               "failfast-dflash": SpeculativeEngine(pipe.target, dflash, FailFast(chunk=dflash.tokens_per_pass)),
+               "failfast-eagle3": SpeculativeEngine(pipe.target, eagle3, FailFast(chunk=EAGLE3_CHUNK))}
     requests = [GenerationRequest(pipe.encode(x.text), args.max_new_tokens) for x in load_dataset(args.dataset, args.prompts)]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     runs = [(m, b) for b in sizes for m in engines]

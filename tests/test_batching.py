@@ -1,6 +1,6 @@
 """Batched decoding: every row equals its single-sequence output (float64, CPU), whatever the
 drafter, policy, prompt lengths, finishing rounds, joining order and sampling seeds; batched
-drafting (AR, block-diffusion and DFlash drafters) proposes exactly the drafts each row would alone."""
+drafting (every drafter kind) proposes exactly the drafts each row would alone."""
 
 from __future__ import annotations
 
@@ -143,6 +143,25 @@ def test_dflash_rows_run_their_passes_together(random_models, monkeypatch):
     block = drafter.config.block_size
     assert max(rows for rows, _ in forwards) == len(LENGTHS) - 1  # every row but the one with no draft budget
     assert any(rows > 1 and width > block for rows, width in forwards)  # extension passes together
+
+
+def test_eagle3_rows_step_together(random_models, monkeypatch):
+    """EAGLE-3 rows at different cache lengths advance their chains in one forward and draft
+    what each drafts alone (`_check_batches`)."""
+    from failfast.model.eagle3 import Eagle3Model
+
+    target = load_model(random_models["target"], dtype=torch.float64)
+    drafter = load_model(random_models["random-eagle3"], dtype=torch.float64)
+    rows_per_step = []
+    real = Eagle3Model.step_rows
+
+    def recording(self, tokens, hidden, rows, starts, cache):
+        rows_per_step.append(len(set(starts)) if len(rows) > 1 else 0)
+        return real(self, tokens, hidden, rows, starts, cache)
+    monkeypatch.setattr(Eagle3Model, "step_rows", recording)
+    engine = SpeculativeEngine(target, make_drafter(target, drafter), FailFast(tau=0.0, chunk=3, max_draft=20))
+    _check_batches(engine, _requests())
+    assert max(rows_per_step) >= 3  # rows at three or more different positions in one step
 
 
 def test_ragged_forward_equals_one_row_forwards(random_models):

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from torch import Tensor
 
 from failfast.drafters.target_features import TargetFeatureDrafter
 from failfast.errors import GenerationInputError, IncompatibleModelsError
@@ -22,7 +23,13 @@ from failfast.model.transformer import linear
 
 
 class Eagle3Drafter(TargetFeatureDrafter):
-    """Drafts a chain from target features; the target's embedding and head are shared."""
+    """Drafts a chain from target features; the target's embedding and head are shared.
+
+    Batches (docs/design.md, "Batching"): each row's copy keeps its slots in its row of one
+    shared cache, and `draft_rows` advances several rows' chains by one step in one forward.
+    """
+
+    batchable = True
 
     def __init__(self, loaded: LoadedModel, target: LoadedModel, vocab_limit: int,
                  draft_vocab: Sequence[int] | None = None) -> None:
@@ -60,15 +67,42 @@ class Eagle3Drafter(TargetFeatureDrafter):
         self.hidden = self.fused[None, None, n - 2] if n >= 2 else torch.zeros_like(self.fused[None, None, 0])
         self.next_token = committed[-1]
 
+    def _take(self, output: Tensor) -> tuple[int, float]:
+        """The token a step's output [1, 1, hidden] predicts; it and the output feed the next step."""
+        self.hidden = output
+        h = self.model.logits_input(output)[0, -1]
+        tok, conf = self.pick(self.model.lm_head(h) if self.head_weight is None else linear(h, self.head_weight))
+        self.forwards += 1
+        self.next_token = int(tok)
+        return self.next_token, float(conf)
+
     def draft(self, count: int) -> tuple[list[int], list[float]]:
         tokens: list[int] = []
         confs: list[float] = []
         for _ in range(count):
-            self.hidden = self.model.step(self._tensor([self.next_token]), self.hidden, self.cache)
-            h = self.model.logits_input(self.hidden)[0, -1]
-            tok, conf = self.pick(self.model.lm_head(h) if self.head_weight is None else linear(h, self.head_weight))
-            self.forwards += 1
-            self.next_token = int(tok)
-            tokens.append(self.next_token)
-            confs.append(float(conf))
+            tok, conf = self._take(self.model.step(self._tensor([self.next_token]), self.hidden, self.cache))
+            tokens.append(tok)
+            confs.append(conf)
         return tokens, confs
+
+    def batch_capacity(self, positions: int) -> int:
+        """Positions per row of a batch's shared cache: as many as one row needs."""
+        return positions + 1
+
+    @staticmethod
+    def draft_rows(drafters: list["Eagle3Drafter"], wants: dict[int, int],
+                   shared: KVCache) -> dict[int, tuple[list[int], list[float]]]:
+        """One draft token for each slot in `wants`: the rows' chain steps in one forward over
+        their rows of `shared` (`drafters[slot]` drafts into `shared.row(slot)`)."""
+        slots = list(wants)
+        first = drafters[slots[0]]
+        outputs = first.model.step_rows(
+            torch.tensor([[drafters[s].next_token] for s in slots], device=first.model.device),
+            torch.cat([drafters[s].hidden for s in slots]), slots, [drafters[s].cache.length for s in slots], shared)
+        out = {}
+        for i, slot in enumerate(slots):
+            d = drafters[slot]
+            d.cache.length += 1
+            tok, conf = d._take(outputs[i:i + 1])
+            out[slot] = ([tok], [conf])
+        return out

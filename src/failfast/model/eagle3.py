@@ -90,17 +90,30 @@ class Eagle3Model(BorrowsTargetParts):
         cache.length = start + tokens.shape[1]
 
     def step(self, tokens: Tensor, hidden: Tensor, cache: KVCache) -> Tensor:
-        """One drafting step: the slot (hidden [1, 1, hidden], next token [1, 1]) at the cache's
-        end attends to every cached slot and itself; its K/V are appended. Returns its output
-        [1, 1, hidden] (the next step's hidden; `logits_input` for its prediction)."""
-        start = cache.length
-        x, k, v = self.slot_kv(tokens, hidden, torch.arange(start, start + 1, device=tokens.device))
+        """One drafting step of a one-row cache: the slot (hidden [1, 1, hidden], next token
+        [1, 1]) at the cache's end (`step_rows`); its K/V are appended."""
+        out = self.step_rows(tokens, hidden, [0], [cache.length], cache)
+        cache.length += 1
+        return out
+
+    def step_rows(self, tokens: Tensor, hidden: Tensor, rows: list[int], starts: list[int], cache: KVCache) -> Tensor:
+        """One drafting step for several cache rows at once: row i's slot (hidden [i, 0], next
+        token tokens [i, 0]) at position starts[i] of cache row rows[i] writes its K/V there and
+        attends to that row's slots [0, starts[i]]. Returns the outputs [B, 1, hidden] (each
+        the next step's hidden; `logits_input` for its prediction); lengths are the caller's."""
+        device = tokens.device
+        position = torch.tensor(starts, device=device)[:, None]
+        x, k, v = self.slot_kv(tokens, hidden, position)
+        index = torch.tensor(rows, device=device)
+        cache.keys[0][index, :, position[:, 0]] = k[:, :, 0]
+        cache.values[0][index, :, position[:, 0]] = v[:, :, 0]
+        width = max(starts) + 1
         attn = self.midlayer.self_attn
-        q = attn.queries(x, self._rope(torch.arange(start, start + 1, device=tokens.device), x.dtype))
-        keys, values = cache.write(0, start, k, v)
-        cache.length = start + 1
-        out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=attn.n_kv != attn.n_heads)
-        return self.midlayer.finish(hidden, out.transpose(1, 2).reshape(1, 1, -1))
+        q = attn.queries(x, self._rope(position, x.dtype))
+        sees = (torch.arange(width, device=device)[None, :] <= position)[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, cache.keys[0][index, :, :width], cache.values[0][index, :, :width],
+                                             attn_mask=sees, enable_gqa=attn.n_kv != attn.n_heads)
+        return self.midlayer.finish(hidden, out.transpose(1, 2).reshape(len(rows), 1, -1))
 
     def logits_input(self, output: Tensor) -> Tensor:
         """What the target's head reads: the normed layer output."""
