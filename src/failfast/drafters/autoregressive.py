@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from failfast.drafters.base import ModelDrafter, common_prefix_len
+from failfast.drafters.base import ChainDrafter, ModelDrafter, common_prefix_len
 from failfast.model.kv_cache import KVCache
 from failfast.model.ragged import Ragged
 
 
-class ARDrafter(ModelDrafter):
+class ARDrafter(ChainDrafter, ModelDrafter):
     """Greedy drafting with a KV cache; the cache keeps whatever prefix was verified.
 
     Batches (docs/design.md, "Batching"): each row's copy drafts into its row of one shared
@@ -36,20 +36,10 @@ class ARDrafter(ModelDrafter):
         self._pending = [int(tok)]
         return int(tok), float(conf)
 
-    def draft(self, count: int) -> tuple[list[int], list[float]]:
-        tokens: list[int] = []
-        confs: list[float] = []
-        for _ in range(count):
-            logits = self.model(self._tensor(self._pending), self.cache.length, self.cache, logits_at=slice(-1, None),
-                                head_weight=self.head_weight)
-            tok, conf = self._advance(logits[0, -1])
-            tokens.append(tok)
-            confs.append(conf)
-        return tokens, confs
-
-    def batch_capacity(self, positions: int) -> int:
-        """Positions per row of a batch's shared cache: as many as one row needs."""
-        return positions + 1
+    def _next(self) -> tuple[int, float]:
+        logits = self.model(self._tensor(self._pending), self.cache.length, self.cache, logits_at=slice(-1, None),
+                            head_weight=self.head_weight)
+        return self._advance(logits[0, -1])
 
     @staticmethod
     def draft_rows(drafters: list["ARDrafter"], wants: dict[int, int],

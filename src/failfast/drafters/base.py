@@ -92,3 +92,25 @@ class ModelDrafter:
 
     def _tensor(self, ids: list[int]) -> Tensor:
         return torch.tensor([ids], dtype=torch.long, device=self.model.device)
+
+
+class ChainDrafter:
+    """Drafters that propose one token per forward (AR, EAGLE-3): `draft` is `count` steps of
+    `_next`, and a batch's shared cache needs a row's positions plus the step being drafted."""
+
+    def _next(self) -> tuple[int, float]:
+        """Run one forward; the next draft token and its confidence."""
+        raise NotImplementedError
+
+    def draft(self, count: int) -> tuple[list[int], list[float]]:
+        tokens: list[int] = []
+        confs: list[float] = []
+        for _ in range(count):
+            tok, conf = self._next()
+            tokens.append(tok)
+            confs.append(conf)
+        return tokens, confs
+
+    def batch_capacity(self, positions: int) -> int:
+        """Positions per row of a batch's shared cache: as many as one row needs."""
+        return positions + 1

@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from failfast.drafters.base import ChainDrafter
 from failfast.drafters.target_features import TargetFeatureDrafter
 from failfast.errors import GenerationInputError, IncompatibleModelsError
 from failfast.model import LoadedModel
@@ -22,7 +23,7 @@ from failfast.model.kv_cache import KVCache
 from failfast.model.transformer import linear
 
 
-class Eagle3Drafter(TargetFeatureDrafter):
+class Eagle3Drafter(ChainDrafter, TargetFeatureDrafter):
     """Drafts a chain from target features; the target's embedding and head are shared.
 
     Batches (docs/design.md, "Batching"): each row's copy keeps its slots in its row of one
@@ -76,18 +77,8 @@ class Eagle3Drafter(TargetFeatureDrafter):
         self.next_token = int(tok)
         return self.next_token, float(conf)
 
-    def draft(self, count: int) -> tuple[list[int], list[float]]:
-        tokens: list[int] = []
-        confs: list[float] = []
-        for _ in range(count):
-            tok, conf = self._take(self.model.step(self._tensor([self.next_token]), self.hidden, self.cache))
-            tokens.append(tok)
-            confs.append(conf)
-        return tokens, confs
-
-    def batch_capacity(self, positions: int) -> int:
-        """Positions per row of a batch's shared cache: as many as one row needs."""
-        return positions + 1
+    def _next(self) -> tuple[int, float]:
+        return self._take(self.model.step(self._tensor([self.next_token]), self.hidden, self.cache))
 
     @staticmethod
     def draft_rows(drafters: list["Eagle3Drafter"], wants: dict[int, int],
