@@ -1,12 +1,14 @@
 """Throughput of the batch regime: plain AR, the AR drafter (Fixed 4), FailFast, and FailFast
-over the DFlash and EAGLE-3 drafters at several batch sizes, same prompts.
+over the DFlash and EAGLE-3 drafters at several batch sizes, same prompts; `--gated` adds each
+speculative method behind a speculation gate ("+gate": rounds skip drafting where plain rounds
+measure faster, decode/gate.py).
 
 Every (method, batch size) runs once per repeat, interleaved, after a warm-up; the table gives
 median tokens/s and each row's ratio to plain AR at the same batch size. Rows whose tokens
 differ from the B = 1 run of the same method are counted (batched float32 forwards may round
 a near-tie differently from one-row forwards; float64 never does, see the tests).
 
-    python scripts/batch_throughput.py --prompts 32 --max-new-tokens 64 --batch-sizes 1,4,16,32
+    python scripts/batch_throughput.py --prompts 64 --max-new-tokens 64 --batch-sizes 1,4,16,64 --gated
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 
 import torch
 
-from failfast import FailFast, Fixed, Pipeline, load_model, make_drafter
+from failfast import FailFast, Fixed, Pipeline, SpeculationGate, load_model, make_drafter
 from failfast.bench.datasets import load_dataset
 from failfast.bench.methods import EAGLE3_CHUNK
 from failfast.embedded import resolve_model
@@ -32,6 +34,8 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="1,4,16,32")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int)
+    p.add_argument("--methods", help="comma-separated subset of the method names (default: all)")
+    p.add_argument("--gated", action="store_true", help="add every speculative method behind a speculation gate")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -44,6 +48,11 @@ def main() -> None:
                "failfast": pipe.engine,
                "failfast-dflash": SpeculativeEngine(pipe.target, dflash, FailFast(chunk=dflash.tokens_per_pass)),
                "failfast-eagle3": SpeculativeEngine(pipe.target, eagle3, FailFast(chunk=EAGLE3_CHUNK))}
+    if args.gated:  # a fresh gate per method: it learns that method's rates
+        engines |= {f"{name}+gate": SpeculativeEngine(e.target, e.drafter, e.policy, SpeculationGate())
+                    for name, e in engines.items() if e.drafter is not None}
+    if args.methods:
+        engines = {name: engines[name] for name in dict.fromkeys(["ar", *args.methods.split(",")])}
     requests = [GenerationRequest(pipe.encode(x.text), args.max_new_tokens) for x in load_dataset(args.dataset, args.prompts)]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     runs = [(m, b) for b in sizes for m in engines]

@@ -7,6 +7,7 @@ from failfast.errors import (CheckpointError, FailfastError, GenerationInputErro
 from failfast.model import LoadedModel, load_model
 from failfast.pipeline import Pipeline
 from failfast.decode.costs import CostProfile, measure_costs
+from failfast.decode.gate import SpeculationGate
 from failfast.decode.policies import CostAware, FailFast, Fixed, Policy, PolicyFactory, cost_aware
 from failfast.decode.stats import GenerationStats, RoundStats
 from failfast.decode.sampling import SamplingParams
@@ -15,5 +16,5 @@ __all__ = [
     "ARDrafter", "BlockDiffusionDrafter", "CheckpointError", "DFlashDrafter", "CostAware", "CostProfile", "Drafter", "FailFast",
     "FailfastError", "Fixed", "GenerationInputError", "GenerationRequest", "GenerationResult", "GenerationStats",
     "IncompatibleModelsError", "LoadedModel", "Pipeline", "Policy", "PolicyError", "PolicyFactory", "RoundStats",
-    "SamplingParams", "SpeculativeEngine", "cost_aware", "load_model", "make_drafter", "measure_costs",
+    "SamplingParams", "SpeculationGate", "SpeculativeEngine", "cost_aware", "load_model", "make_drafter", "measure_costs",
 ]

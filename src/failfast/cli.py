@@ -15,6 +15,7 @@ from failfast.embedded import DEFAULT_DRAFTER, DEFAULT_TARGET, EMBEDDED
 from failfast.errors import FailfastError, GenerationInputError
 from failfast.model.precision import DTYPES, resolve_dtype
 from failfast.pipeline import Pipeline
+from failfast.decode.gate import SpeculationGate
 from failfast.decode.policies import FailFast, Fixed, Policy, PolicyFactory, cost_aware
 from failfast.decode.sampling import SamplingParams
 
@@ -60,6 +61,7 @@ def _load_pipeline(args: argparse.Namespace) -> Pipeline:
     return Pipeline.load(args.target, args.drafter if policy else None, policy,
                          unmask_threshold=args.unmask_threshold, denoise=args.denoise, sub_block_size=args.sub_block,
                          full_vocab=args.full_draft_vocab,
+                         gate=SpeculationGate() if args.speculation_gate and policy else None,
                          dtype=resolve_dtype(args.dtype, args.device),
                          drafter_dtype=DTYPES[args.drafter_dtype] if args.drafter_dtype else None, device=args.device)
 
@@ -307,6 +309,12 @@ def _add_model_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu")
 
 
+def _add_gate_flag(g: argparse.ArgumentParser, default: bool) -> None:
+    g.add_argument("--speculation-gate", action=argparse.BooleanOptionalAction, default=default,
+                   help="measure plain and speculative rounds per batch size and run the faster kind "
+                        f"(never changes the output; default: {'on' if default else 'off'} here)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="failfast", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -316,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="prompt text (needs the target's tokenizer.json)")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
     _add_generation_flags(g)
+    _add_gate_flag(g, default=False)
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=cmd_generate)
 
@@ -328,10 +337,12 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--batch-size", type=int, default=BATCH_SIZE_DEFAULT,
                     help="rows decoded together, one target forward per round for all of them")
     _add_generation_flags(bt)
+    _add_gate_flag(bt, default=True)
     bt.set_defaults(func=cmd_batch)
 
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming)")
     _add_model_flags(sv)
+    _add_gate_flag(sv, default=True)
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1 (default: $FAILFAST_API_KEY if set)")

@@ -20,6 +20,7 @@ from failfast.errors import GenerationInputError
 from failfast.model import LoadedModel
 from failfast.model.kv_cache import KVCache
 from failfast.model.ragged import Ragged
+from failfast.decode.gate import SpeculationGate
 from failfast.decode.policies import Policy, PolicyFactory, is_policy_factory
 from failfast.decode.stats import GenerationStats, RoundStats
 from failfast.decode.stopping import StopStrings
@@ -99,12 +100,16 @@ class SpeculativeEngine:
     a `PolicyFactory` (e.g. `policies.cost_aware()`), built once, on the first request.
     Batches: `generate_many` runs up to `batch_size` sequences per target forward, each with
     its own copy of the drafter (the drafter's `prepare` resets all per-sequence state).
+    A `gate` lets rounds skip drafting where plain rounds measure faster (decode/gate.py).
     """
 
     def __init__(self, target: LoadedModel, drafter: Drafter | None = None,
-                 policy: Policy | PolicyFactory | None = None) -> None:
+                 policy: Policy | PolicyFactory | None = None, gate: SpeculationGate | None = None) -> None:
         if (drafter is None) != (policy is None):
             raise GenerationInputError("a drafter needs a policy and a policy needs a drafter")
+        if gate is not None and drafter is None:
+            raise GenerationInputError("a speculation gate needs a drafter")
+        self.gate = gate
         self.target = target
         self.drafter = drafter
         self._policy_factory = policy if policy is not None and is_policy_factory(policy) else None
@@ -233,10 +238,16 @@ class SpeculativeEngine:
 
     def _round(self, active: dict[int, _Sequence], cache: KVCache, drafters: list,
                shared: KVCache | None) -> None:
-        """Draft for every active row, verify them in one forward, commit each row's tokens."""
+        """Draft for every active row (unless the gate says plain rounds are faster now),
+        verify them in one forward, commit each row's tokens."""
         model = self.target.model
+        started = time.perf_counter()
+        speculate = self.gate is None or self.gate.speculate(len(active))
+        generated = sum(len(seq.generated) for seq in active.values())
         drafts: dict[int, tuple[list[int], list[float], int, float]] = {}
-        if shared is not None and len(active) > 1:
+        if not speculate:
+            drafts = {slot: ([], [], 0, 0.0) for slot in active}
+        elif shared is not None and len(active) > 1:
             t0 = time.perf_counter()
             before = {slot: seq.drafter.forwards for slot, seq in active.items()}
             together = self._draft_together(active, drafters, shared)
@@ -292,6 +303,9 @@ class SpeculativeEngine:
             seq.stats.verify_s += verify_s
             seq.stats.record(RoundStats(len(draft), accepted, passes, confs))
             seq.commit((*draft[:accepted], next_token))
+        if self.gate is not None:
+            self.gate.record(len(active), speculate, max(sum(len(seq.generated) for seq in active.values()) - generated, 0),
+                             time.perf_counter() - started)
 
 
 class DecodeBatch:
