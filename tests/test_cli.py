@@ -9,7 +9,7 @@ import sys
 import torch
 
 from failfast import FailFast, SpeculativeEngine, load_model, make_drafter
-from failfast.cli import main
+from failfast.cli import build_parser, main
 
 
 def test_generate_json_matches_the_library(target_dir, capsys):
@@ -47,3 +47,12 @@ def test_console_script_runs_plain_ar(target_dir):
                           capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
     assert "target rounds" in proc.stderr and proc.stdout.strip()
+
+
+def test_the_speculation_gate_is_on_for_many_rows_and_off_for_one_prompt():
+    parser = build_parser()
+    batch = ["batch", "--input", "in.jsonl", "--output", "out.jsonl"]
+    assert parser.parse_args(batch).speculation_gate and parser.parse_args(["serve"]).speculation_gate
+    assert not parser.parse_args([*batch, "--no-speculation-gate"]).speculation_gate
+    assert not parser.parse_args(["generate", "--prompt", "x"]).speculation_gate
+    assert parser.parse_args(["generate", "--prompt", "x", "--speculation-gate"]).speculation_gate

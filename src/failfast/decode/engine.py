@@ -20,6 +20,7 @@ from failfast.errors import GenerationInputError
 from failfast.model import LoadedModel
 from failfast.model.kv_cache import KVCache
 from failfast.model.ragged import Ragged
+from failfast.decode.drafting import draft_alone, draft_together
 from failfast.decode.gate import SpeculationGate
 from failfast.decode.policies import Policy, PolicyFactory, is_policy_factory
 from failfast.decode.stats import GenerationStats, RoundStats
@@ -134,21 +135,6 @@ class SpeculativeEngine:
             raise GenerationInputError("stop strings need the target's tokenizer.json")
         StopStrings(request.stop, str)  # validates the strings themselves
 
-    def _draft(self, seq: _Sequence) -> tuple[list[int], list[float]]:
-        tokens: list[int] = []
-        confs: list[float] = []
-        budget = seq.budget
-        if seq.drafter is None or budget <= 0:
-            return tokens, confs
-        seq.drafter.begin(seq.committed)
-        while (want := min(self.policy.request(confs), budget - len(tokens))) > 0:
-            new, new_confs = seq.drafter.draft(want)
-            if not new:  # the drafter has nothing more to propose
-                break
-            tokens += new
-            confs += new_confs
-        return tokens, confs
-
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
                  stop: Sequence[str] = ()) -> GenerationResult:
@@ -212,30 +198,6 @@ class SpeculativeEngine:
         """Target layers whose outputs the drafter reads (a DFlash drafter), else none."""
         return getattr(self.drafter, "target_layers", ())
 
-    def _draft_together(self, active: dict[int, _Sequence], drafters: list, shared: KVCache) -> dict[int, tuple[list[int], list[float]]]:
-        """`_draft` for every row at once (a batchable drafter's `draft_rows` serves several
-        rows per forward): each row asks its policy whenever its last request is drafted, as
-        `_draft` does."""
-        drafted = {slot: ([], []) for slot in active}
-        remaining = {}
-        for slot, seq in active.items():
-            remaining[slot] = 0
-            if seq.budget > 0:
-                seq.drafter.begin(seq.committed)
-                remaining[slot] = min(self.policy.request([]), seq.budget)
-        while wants := {slot: n for slot, n in remaining.items() if n > 0}:
-            for slot, (new, new_confs) in type(drafters[0]).draft_rows(drafters, wants, shared).items():
-                if not new:  # the drafter has nothing more to propose
-                    remaining[slot] = 0
-                    continue
-                tokens, confs = drafted[slot]
-                tokens += new
-                confs += new_confs
-                remaining[slot] -= len(new)
-                if remaining[slot] == 0:
-                    remaining[slot] = max(min(self.policy.request(confs), active[slot].budget - len(tokens)), 0)
-        return drafted
-
     def _round(self, active: dict[int, _Sequence], cache: KVCache, drafters: list,
                shared: KVCache | None) -> None:
         """Draft for every active row (unless the gate says plain rounds are faster now),
@@ -250,7 +212,8 @@ class SpeculativeEngine:
         elif shared is not None and len(active) > 1:
             t0 = time.perf_counter()
             before = {slot: seq.drafter.forwards for slot, seq in active.items()}
-            together = self._draft_together(active, drafters, shared)
+            together = draft_together(drafters, self.policy,
+                                      {slot: (seq.committed, seq.budget) for slot, seq in active.items()}, shared)
             share = (time.perf_counter() - t0) / len(active)  # the batch's drafting time, split evenly
             for slot, seq in active.items():
                 drafts[slot] = (*together[slot], seq.drafter.forwards - before[slot], share)
@@ -258,7 +221,8 @@ class SpeculativeEngine:
             for slot, seq in active.items():
                 t0 = time.perf_counter()
                 passes_before = seq.drafter.forwards if seq.drafter else 0
-                draft, confs = self._draft(seq)
+                draft, confs = (draft_alone(seq.drafter, self.policy, seq.committed, seq.budget)
+                                if seq.drafter is not None else ([], []))
                 passes = (seq.drafter.forwards if seq.drafter else 0) - passes_before
                 drafts[slot] = (draft, confs, passes, time.perf_counter() - t0)
         for slot, (draft, confs, passes, draft_s) in drafts.items():

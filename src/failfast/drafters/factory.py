@@ -12,12 +12,12 @@ from failfast.drafters.block_diffusion import DEFAULT_DENOISE, DEFAULT_UNMASK_TH
 from failfast.drafters.dflash import DFlashDrafter
 from failfast.drafters.eagle3 import Eagle3Drafter
 from failfast.errors import CheckpointError, IncompatibleModelsError
-from failfast.model import LoadedModel
+from failfast.model import LoadedModel, ModelDescription
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 
 
-def check_vocabularies(target: LoadedModel, drafter: LoadedModel) -> None:
+def check_vocabularies(target: LoadedModel | ModelDescription, drafter: LoadedModel) -> None:
     """Drafter and target must agree on every token of the target's tokenizer.
 
     Embedding sizes may differ (checkpoints pad them), and a drafter may add tokens such
@@ -52,15 +52,20 @@ def load_draft_vocab(folder: Path) -> list[int] | None:
     return ids
 
 
-def make_drafter(target: LoadedModel, drafter: LoadedModel, unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD,
-                 denoise: str = DEFAULT_DENOISE, sub_block_size: int | None = None,
-                 full_vocab: bool = False) -> Drafter:
+def make_drafter(target: LoadedModel | ModelDescription, drafter: LoadedModel,
+                 unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD, denoise: str = DEFAULT_DENOISE,
+                 sub_block_size: int | None = None, full_vocab: bool = False) -> Drafter:
     """The drafter a checkpoint is: DFlash or EAGLE-3 (both read the target's features), block
     diffusion, or else autoregressive (`unmask_threshold`, `denoise` and `sub_block_size` only apply to
-    block diffusion). A checkpoint's draft vocabulary is used unless `full_vocab`."""
+    block diffusion). A checkpoint's draft vocabulary is used unless `full_vocab`. Drafters that
+    read only token ids accept a target's description (its weights run in another engine)."""
     check_vocabularies(target, drafter)
     limit = min(target.config.vocab_size, drafter.config.vocab_size)
     vocab = None if full_vocab else load_draft_vocab(drafter.path)
+    if drafter.config.reads_target and not isinstance(target, LoadedModel):
+        raise IncompatibleModelsError(
+            f"drafter {drafter.path} reads the target's hidden states, so it needs the target loaded in "
+            "failfast's engine; a target that runs elsewhere takes an AR or block-diffusion drafter")
     if drafter.config.is_dflash:
         return DFlashDrafter(drafter, target, limit, vocab)
     if drafter.config.is_eagle3:

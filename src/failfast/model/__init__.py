@@ -1,6 +1,6 @@
 """Qwen2-family transformer runtime: config, KV cache, checkpoint loading, tokenizer."""
 
-from failfast.model.checkpoint import LoadedModel, load_model
+from failfast.model.checkpoint import LoadedModel, ModelDescription, describe_model, load_model
 from failfast.model.config import ModelConfig
 from failfast.model.kv_cache import KVCache
 from failfast.model.tokenizer import Tokenizer
@@ -10,7 +10,9 @@ __all__ = [
     "KVCache",
     "LoadedModel",
     "ModelConfig",
+    "ModelDescription",
     "Tokenizer",
     "Transformer",
+    "describe_model",
     "load_model",
 ]

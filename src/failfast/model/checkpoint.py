@@ -31,6 +31,29 @@ class LoadedModel:
     path: Path
 
 
+@dataclass(frozen=True)
+class ModelDescription:
+    """A checkpoint's config and tokenizer without its weights: enough to check a drafter
+    against a target that another engine runs (integrations/vllm.py)."""
+
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    path: Path
+
+
+def describe_model(path: str | Path) -> ModelDescription:
+    """Read config.json (and generation_config.json's EOS ids) and tokenizer.json, if any."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"model folder {folder} does not exist")
+    return ModelDescription(read_config(folder), _read_tokenizer(folder), folder)
+
+
+def _read_tokenizer(folder: Path) -> Tokenizer | None:
+    tok_path = folder / "tokenizer.json"
+    return Tokenizer.from_file(tok_path) if tok_path.is_file() else None
+
+
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -107,9 +130,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary = Rotary(cfg.head_dim, cfg.rope_theta).to(device)
     model.eval().requires_grad_(False)
-    tok_path = folder / "tokenizer.json"
-    tokenizer = Tokenizer.from_file(tok_path) if tok_path.is_file() else None
-    return LoadedModel(model, cfg, tokenizer, folder)
+    return LoadedModel(model, cfg, _read_tokenizer(folder), folder)
 
 
 def _shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:

@@ -1,0 +1,1 @@
+"""Failfast inside other inference engines."""
