@@ -22,14 +22,15 @@ def _run(gate: SpeculationGate, rows: int, rates: dict[bool, float], rounds: int
     return chosen
 
 
-def test_the_gate_runs_the_faster_kind_and_probes_the_other():
-    gate = SpeculationGate(warmup=2, probe_every=4)
-    chosen = _run(gate, 16, {True: 300, False: 500}, 2 + 2 + 15)
+def test_the_gate_runs_the_faster_kind_and_probes_the_other_less_and_less():
+    gate = SpeculationGate(warmup=2, probe_every=4, max_probe_every=16)
+    chosen = _run(gate, 16, {True: 300, False: 500}, 2 + 2 + 4 + 1 + 8 + 1 + 16 + 1 + 16 + 1)
     assert chosen[:4] == [True, True, False, False]  # warm-up: two rounds of each kind
-    assert chosen[4:] == [False] * 4 + [True] + [False] * 4 + [True] + [False] * 4 + [True]
+    # probes that keep the leader double the wait, up to max_probe_every
+    assert chosen[4:] == [False] * 4 + [True] + [False] * 8 + [True] + [False] * 16 + [True] + [False] * 16 + [True]
     # where drafts pay (one row), the same gate speculates, separately from the 16-row bucket
     assert _run(gate, 1, {True: 200, False: 90}, 8)[4:] == [True] * 4
-    assert _run(gate, 17, {True: 300, False: 500}, 5) == [False] * 4 + [True]  # 17 shares the 16 bucket
+    assert _run(gate, 17, {True: 300, False: 500}, 17) == [False] * 16 + [True]  # 17 shares the 16 bucket
 
 
 def test_a_probe_that_turns_out_faster_takes_over():
@@ -42,7 +43,8 @@ def test_buckets_are_powers_of_two():
     assert [batch_bucket(n) for n in (0, 1, 2, 3, 4, 7, 8, 63, 64)] == [1, 1, 2, 2, 4, 4, 8, 32, 64]
 
 
-@pytest.mark.parametrize("settings", [dict(warmup=0), dict(probe_every=0), dict(smoothing=0.0), dict(smoothing=1.5)])
+@pytest.mark.parametrize("settings", [dict(warmup=0), dict(probe_every=0), dict(probe_every=8, max_probe_every=4),
+                                      dict(smoothing=0.0), dict(smoothing=1.5)])
 def test_bad_gate_settings_are_clear_errors(settings):
     with pytest.raises(PolicyError):
         SpeculationGate(**settings)
@@ -57,7 +59,7 @@ def test_a_gate_needs_a_drafter(random_models):
 def _alternating() -> SpeculationGate:
     """After one round of each kind, every other round is a probe: plain and speculative
     rounds alternate, whatever the timings."""
-    return SpeculationGate(warmup=1, probe_every=1)
+    return SpeculationGate(warmup=1, probe_every=1, max_probe_every=1)
 
 
 def _check_gated_equals_ungated(target, drafter, policy, requests):

@@ -33,6 +33,7 @@ class _Arm:
 class _Bucket:
     arms: dict[bool, _Arm] = field(default_factory=lambda: {True: _Arm(), False: _Arm()})
     since_probe: int = 0
+    interval: int = 0  # leader rounds between probes (0: not set yet)
 
 
 @dataclass
@@ -40,19 +41,23 @@ class SpeculationGate:
     """Speculate in a round only where speculative rounds have been measured faster.
 
     Each bucket first runs `warmup` rounds of each kind (speculative first), then the kind
-    with the higher average rate, and one round of the other kind after every `probe_every`
-    rounds. `smoothing` is the weight of the newest round in each average.
+    with the higher average rate, and one round of the other kind (a probe) after
+    `probe_every` rounds. A probe costs a slow round, so each probe that leaves the leader in
+    place doubles the wait before the next one, up to `max_probe_every`; a probe that changes
+    the leader resets it. `smoothing` is the weight of the newest round in each average.
     """
 
     warmup: int = 2
     probe_every: int = 16
+    max_probe_every: int = 256
     smoothing: float = 0.2
     buckets: dict[int, _Bucket] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.warmup < 1 or self.probe_every < 1 or not 0 < self.smoothing <= 1:
-            raise PolicyError(f"need warmup >= 1, probe_every >= 1 and 0 < smoothing <= 1, got {self.warmup}, "
-                              f"{self.probe_every}, {self.smoothing}")
+        if (self.warmup < 1 or not 1 <= self.probe_every <= self.max_probe_every
+                or not 0 < self.smoothing <= 1):
+            raise PolicyError(f"need warmup >= 1, 1 <= probe_every <= max_probe_every and 0 < smoothing <= 1, got "
+                              f"{self.warmup}, {self.probe_every}, {self.max_probe_every}, {self.smoothing}")
 
     def speculate(self, rows: int) -> bool:
         """Whether the next round of `rows` rows drafts."""
@@ -61,7 +66,7 @@ class SpeculationGate:
             if bucket.arms[kind].rounds < self.warmup:
                 return kind
         best = bucket.arms[True].rate >= bucket.arms[False].rate
-        if bucket.since_probe >= self.probe_every:
+        if bucket.since_probe >= (bucket.interval or self.probe_every):
             return not best
         return best
 
@@ -69,10 +74,15 @@ class SpeculationGate:
         """A finished round of `rows` rows committed `tokens` tokens in `seconds`."""
         bucket = self.buckets.setdefault(batch_bucket(rows), _Bucket())
         warming = min(a.rounds for a in bucket.arms.values()) < self.warmup
-        probe = speculated != (bucket.arms[True].rate >= bucket.arms[False].rate)
+        leader = bucket.arms[True].rate >= bucket.arms[False].rate
+        probe = not warming and speculated != leader
         bucket.since_probe = 0 if warming or probe else bucket.since_probe + 1
         arm = bucket.arms[speculated]
         rate = tokens / max(seconds, 1e-9)
         # a warm-up round replaces the average (the first round of a new shape pays one-off costs)
         arm.rate = rate if arm.rounds < self.warmup else (1 - self.smoothing) * arm.rate + self.smoothing * rate
         arm.rounds += 1
+        if probe:
+            kept = leader == (bucket.arms[True].rate >= bucket.arms[False].rate)
+            bucket.interval = min(2 * (bucket.interval or self.probe_every), self.max_probe_every) if kept \
+                else self.probe_every

@@ -1,0 +1,69 @@
+"""vLLM on the same checkpoint, as a benchmark peer: plain decoding, its own speculative
+methods, and failfast's proposer inside it (README, "vLLM").
+
+Needs the `vllm` extra. vLLM runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so
+several engines can be compared side by side and the proposer reads the config this module
+sets; `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache per engine) defaults to 2 here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from failfast.errors import GenerationInputError
+from failfast.integrations.vllm import ProposerConfig
+
+# Peer name -> what it asks vLLM for ("failfast": our proposer through the custom-class hook).
+VLLM_METHODS = ("vllm-ar", "vllm-ngram", "vllm-draft-model", "vllm-failfast")
+DRAFT_MODEL_K = 4   # vLLM's draft-model method with our AR drafter: the bench's ar-fixed-4
+NGRAM_K = 4
+FAILFAST_N_MAX = 32  # num_speculative_tokens for our proposer: FailFast's N_max inside vLLM
+PROPOSER_CLASS = "failfast.integrations.vllm.FailFastProposer"
+
+
+def vllm_available() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("vllm") is not None
+
+
+def speculative_config(method: str, ar_drafter: Path | None = None) -> dict[str, Any] | None:
+    """vLLM's `speculative_config` for a peer method."""
+    if method == "vllm-ar":
+        return None
+    if method == "vllm-ngram":
+        return {"method": "ngram", "num_speculative_tokens": NGRAM_K, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    if method == "vllm-draft-model":
+        if ar_drafter is None:
+            raise GenerationInputError("vllm-draft-model needs the AR drafter's folder")
+        return {"method": "draft_model", "model": str(ar_drafter), "num_speculative_tokens": DRAFT_MODEL_K}
+    if method == "vllm-failfast":
+        return {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": FAILFAST_N_MAX}
+    raise GenerationInputError(f"unknown vLLM method {method!r} (choose from {', '.join(VLLM_METHODS)})")
+
+
+class VllmGenerator:
+    """A vLLM engine over a failfast checkpoint folder: greedy token ids in, token ids out."""
+
+    def __init__(self, target: Path, dtype: torch.dtype, speculative: dict[str, Any] | None = None,
+                 proposer: ProposerConfig | None = None, max_model_len: int = 2048) -> None:
+        if not vllm_available():
+            raise GenerationInputError("vLLM is not installed (pip install 'failfast[vllm]'; README, \"vLLM\")")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        if proposer is not None:  # read by FailFastProposer when vLLM builds it, in this process
+            os.environ.update(proposer.to_env())
+        from vllm import LLM
+        self.llm = LLM(model=str(target), dtype=str(dtype).removeprefix("torch."), max_model_len=max_model_len,
+                       enforce_eager=True, speculative_config=speculative, seed=0)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy continuations, in prompt order."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
