@@ -1,7 +1,10 @@
 """Throughput of the batch regime: plain AR, the AR drafter (Fixed 4), FailFast, and FailFast
 over the DFlash and EAGLE-3 drafters at several batch sizes, same prompts; `--gated` adds each
 speculative method behind a speculation gate ("+gate": rounds skip drafting where plain rounds
-measure faster, decode/gate.py).
+measure faster, decode/gate.py); `--vllm` adds vLLM on the same weights (plain, ngram, our AR
+drafter as its draft model, our FailFast proposer; needs the vllm extra). vLLM gets the
+prompts in chunks of B (static batches; its engines hold up to the largest B), ours refill
+freed rows (continuous batching); with a fixed number of new tokens rows end together anyway.
 
 Every (method, batch size) runs once per repeat, interleaved, after a warm-up; the table gives
 median tokens/s and each row's ratio to plain AR at the same batch size. Rows whose tokens
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -36,6 +40,8 @@ def main() -> None:
     p.add_argument("--threads", type=int)
     p.add_argument("--methods", help="comma-separated subset of the method names (default: all)")
     p.add_argument("--gated", action="store_true", help="add every speculative method behind a speculation gate")
+    p.add_argument("--vllm", action="store_true", help="add vLLM peers (vllm-ar, vllm-ngram, vllm-draft-model, "
+                                                      "vllm-failfast)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -51,33 +57,59 @@ def main() -> None:
     if args.gated:  # a fresh gate per method: it learns that method's rates
         engines |= {f"{name}+gate": SpeculativeEngine(e.target, e.drafter, e.policy, SpeculationGate())
                     for name, e in engines.items() if e.drafter is not None}
-    if args.methods:
-        engines = {name: engines[name] for name in dict.fromkeys(["ar", *args.methods.split(",")])}
     requests = [GenerationRequest(pipe.encode(x.text), args.max_new_tokens) for x in load_dataset(args.dataset, args.prompts)]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    runs = [(m, b) for b in sizes for m in engines]
+    methods: dict[str, Callable[[int], list[list[int]]]] = {name: _ours(e, requests) for name, e in engines.items()}
+    if args.vllm:
+        methods |= _vllm_peers(dtype, [r.prompt_ids for r in requests], args.max_new_tokens, max(sizes))
+    if args.methods:
+        methods = {name: methods[name] for name in dict.fromkeys(["ar", *args.methods.split(",")])}
+    runs = [(m, b) for b in sizes for m in methods]
     times: dict[tuple[str, int], list[float]] = {r: [] for r in runs}
     outputs: dict[tuple[str, int], list[list[int]]] = {}
     tokens: dict[tuple[str, int], int] = {}
     for repeat in range(args.repeats + 1):  # the first pass warms up and is not timed
         for method, b in runs:
             t0 = time.perf_counter()
-            done = dict(engines[method].generate_many(requests, b))
+            outputs[(method, b)] = methods[method](b)
             elapsed = time.perf_counter() - t0
-            outputs[(method, b)] = [done[i].token_ids for i in range(len(requests))]
             tokens[(method, b)] = sum(len(t) for t in outputs[(method, b)])
             if repeat:
                 times[(method, b)].append(elapsed)
             print(f"repeat {repeat} {method} B={b}: {tokens[(method, b)] / elapsed:.1f} tok/s", flush=True)
     print(f"\n{len(requests)} {args.dataset} prompts, {args.max_new_tokens} new tokens, "
           f"{torch.get_num_threads()} threads, median of {args.repeats}\n")
-    print("| method | B | tokens/s | vs plain AR at this B | vs plain AR at B=1 | rows differing from B=1 |")
-    print("|---|---|---|---|---|---|")
+    print("| method | B | tokens/s | vs plain AR at this B | vs plain AR at B=1 | rows differing from B=1 | "
+          "rows differing from our plain AR |")
+    print("|---|---|---|---|---|---|---|")
     rate = {r: tokens[r] / statistics.median(times[r]) for r in runs}
     for method, b in runs:
         differing = sum(x != y for x, y in zip(outputs[(method, b)], outputs[(method, sizes[0])]))
+        from_ar = sum(x != y for x, y in zip(outputs[(method, b)], outputs[("ar", b)]))
         print(f"| {method} | {b} | {rate[(method, b)]:.1f} | {rate[(method, b)] / rate[('ar', b)]:.2f}x | "
-              f"{rate[(method, b)] / rate[('ar', sizes[0])]:.2f}x | {differing} |")
+              f"{rate[(method, b)] / rate[('ar', sizes[0])]:.2f}x | {differing} | {from_ar} |")
+
+
+def _ours(engine: SpeculativeEngine, requests: list[GenerationRequest]) -> Callable[[int], list[list[int]]]:
+    """Our engine at batch size B: B rows decode together, freed rows take the next request."""
+    def run(b: int) -> list[list[int]]:
+        done = dict(engine.generate_many(requests, b))
+        return [done[i].token_ids for i in range(len(requests))]
+    return run
+
+
+def _vllm_peers(dtype: torch.dtype, prompts: list[list[int]], max_new: int,
+                max_batch: int) -> dict[str, Callable[[int], list[list[int]]]]:
+    """vLLM engines on the embedded target: B prompts per `generate` call."""
+    from failfast.integrations.vllm import ProposerConfig
+    from failfast.integrations.vllm_peers import VLLM_METHODS, VllmGenerator, speculative_config
+    peers = {}
+    for name in VLLM_METHODS:
+        generator = VllmGenerator(resolve_model("target"), dtype, speculative_config(name, resolve_model("ar-drafter")),
+                                  ProposerConfig(dtype=str(dtype).removeprefix("torch.")), max_num_seqs=max_batch)
+        peers[name] = (lambda g: lambda b: [t for i in range(0, len(prompts), b)
+                                            for t in g.generate(prompts[i:i + b], max_new)])(generator)
+    return peers
 
 
 if __name__ == "__main__":
