@@ -12,6 +12,7 @@ import torch
 
 from failfast import FailFast, load_model, make_drafter
 from failfast.decode.drafting import draft_alone
+from failfast.decode.gate import SpeculationGate
 from failfast.errors import GenerationInputError, IncompatibleModelsError
 from failfast.integrations.vllm import CONFIG_ENV, FailFastProposer, ProposerConfig
 from tests.helpers import prompt_of
@@ -59,7 +60,8 @@ def test_rows_draft_what_failfast_drafts_as_requests_come_and_go(request, pair, 
     k = 24
     policy = FailFast(0.3, 8, k)
     proposer = FailFastProposer(_vllm_config(target_dir, k),
-                                ProposerConfig(drafter=str(drafter_dir), tau=0.3, chunk=8, dtype="float64", batched=batched))
+                                ProposerConfig(drafter=str(drafter_dir), tau=0.3, chunk=8, dtype="float64", batched=batched,
+                                               gate=False))
     want = lambda ids, budget=k: _expected(target_dir, drafter_dir, policy, ids, budget)  # noqa: E731
 
     # step 1: two requests just prefilled (one sampled token each); a third still prefilling
@@ -78,6 +80,27 @@ def test_rows_draft_what_failfast_drafts_as_requests_come_and_go(request, pair, 
     drafts = _step(proposer, [c + [1], a2 + [2], long], [[1], [2], [long[-1]]])
     assert drafts == [want(c + [1]), want(a2 + [2]), want(long, 4)]
     assert len(drafts[2]) <= 4
+
+
+def test_the_gate_turns_whole_steps_plain(trained_pair):
+    """A gate that probes after every leading step: the plain steps draft nothing for any row,
+    the drafting steps still draft what failfast drafts."""
+    target_dir, drafter_dir = trained_pair
+    proposer = FailFastProposer(_vllm_config(target_dir, 16),
+                                ProposerConfig(drafter=str(drafter_dir), tau=0.3, chunk=8, dtype="float64"),
+                                gate=SpeculationGate(warmup=1, probe_every=1, max_probe_every=1))
+    a, b = list(range(3, 11)), list(range(20, 26))
+    policy = FailFast(0.3, 8, 16)
+    kinds = []
+    for step in range(6):
+        drafts = _step(proposer, [a, b], [[a[-1]], [b[-1]]])
+        kinds.append(bool(drafts[0]))
+        if drafts[0]:
+            assert drafts == [_expected(target_dir, drafter_dir, policy, ids, 16) for ids in (a, b)]
+        else:
+            assert drafts == [[], []]
+        a, b = a + [a[-1] + 1], b + [b[-1] + 1]
+    assert kinds[:2] == [True, False] and kinds.count(True) >= 2 and kinds.count(False) >= 2  # warm-up, then both
 
 
 def test_config_comes_from_the_environment(monkeypatch, tmp_path, random_models):

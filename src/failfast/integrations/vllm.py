@@ -27,12 +27,14 @@ from __future__ import annotations
 import copy
 import json
 import os
+import time
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Sequence
 
 import torch
 
 from failfast.decode.drafting import draft_alone, draft_together
+from failfast.decode.gate import SpeculationGate
 from failfast.decode.policies import FailFast
 from failfast.drafters import Drafter, make_drafter
 from failfast.drafters.block_diffusion import DEFAULT_DENOISE, DEFAULT_UNMASK_THRESHOLD
@@ -51,7 +53,9 @@ class ProposerConfig:
     `drafter`: a checkpoint folder or embedded name (an AR or block-diffusion drafter: DFlash
     and EAGLE-3 read target hidden states that the hook does not pass). `dtype`: the drafter's
     ("auto": bfloat16 where it is fast). `batched`: draft every row of a step together in one
-    forward per pass (same drafts as one row at a time).
+    forward per pass (same drafts as one row at a time). `gate`: skip drafting in steps where
+    plain steps measure faster (decode/gate.py; the rate of a step is the tokens vLLM
+    committed in it over the time from one `propose` call to the next).
     """
 
     drafter: str = DEFAULT_DRAFTER
@@ -61,6 +65,7 @@ class ProposerConfig:
     unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD
     denoise: str = DEFAULT_DENOISE
     batched: bool = True
+    gate: bool = True
 
     @classmethod
     def from_env(cls) -> "ProposerConfig":
@@ -94,8 +99,12 @@ def _read(path: str) -> str:
 class FailFastProposer:
     """vLLM's custom-class proposer: FailFast-length drafts from a failfast drafter, per batch row."""
 
-    def __init__(self, vllm_config: Any, config: ProposerConfig | None = None) -> None:
+    def __init__(self, vllm_config: Any, config: ProposerConfig | None = None,
+                 gate: SpeculationGate | None = None) -> None:
+        """`gate` replaces the default `SpeculationGate()` of a config with `gate` on."""
         self.config = config or ProposerConfig.from_env()
+        self.gate = gate or (SpeculationGate() if self.config.gate else None)
+        self._last_step: tuple[int, bool, float] | None = None  # rows, speculated, when it was proposed
         spec = vllm_config.speculative_config
         self.max_draft = int(spec.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
@@ -134,6 +143,8 @@ class FailFastProposer:
         """One draft per batch row: empty for a row without newly sampled tokens (still
         prefilling) or at the length limit, else as many tokens as FailFast asks for."""
         self._ensure_rows(len(sampled_token_ids))
+        if not self._speculate(sampled_token_ids):
+            return [[] for _ in sampled_token_ids]
         rows: dict[int, tuple[list[int], int]] = {}
         for i, sampled in enumerate(sampled_token_ids):
             n = int(num_tokens_no_spec[i])
@@ -146,3 +157,16 @@ class FailFastProposer:
             drafted = {i: draft_alone(self.rows[i], self.policy, committed, budget)
                        for i, (committed, budget) in rows.items()}
         return [drafted[i][0] if i in drafted else [] for i in range(len(sampled_token_ids))]
+
+    def _speculate(self, sampled_token_ids: Sequence[Sequence[int]]) -> bool:
+        """Report the last step to the gate (its committed tokens arrive now) and ask about this one."""
+        if self.gate is None:
+            return True
+        now = time.perf_counter()
+        if self._last_step is not None:
+            rows, speculated, then = self._last_step
+            self.gate.record(rows, speculated, sum(len(s) for s in sampled_token_ids), now - then)
+        decoding = sum(1 for s in sampled_token_ids if len(s))
+        speculate = self.gate.speculate(decoding) if decoding else True
+        self._last_step = (decoding, speculate, now) if decoding else None
+        return speculate
