@@ -85,6 +85,27 @@ def test_a_long_prompt_joining_a_batch_with_an_ar_drafter(random_models):
     _check_batches(SpeculativeEngine(target, make_drafter(target, drafter), Fixed(4)), requests)
 
 
+@pytest.mark.parametrize("drafter_name", [None, "random-dflash"])
+def test_rows_joining_together_prefill_in_one_forward(random_models, monkeypatch, drafter_name):
+    """Requests added between two steps fill their cache rows in one packed forward (the
+    DFlash drafter gets each row's prompt features from it), and decode exactly as alone."""
+    target = load_model(random_models["target"], dtype=torch.float64)
+    drafter = None if drafter_name is None else make_drafter(target, load_model(random_models[drafter_name],
+                                                                                dtype=torch.float64))
+    engine = SpeculativeEngine(target, drafter, None if drafter is None else FailFast(0.0, 3, 12))
+    prefills = []  # rows of each packed forward that starts every row at position 0
+    real = Transformer.forward_ragged
+
+    def recording(self, ragged, cache, **kwargs):
+        if set(ragged.starts) == {0}:
+            prefills.append(len(ragged.rows))
+        return real(self, ragged, cache, **kwargs)
+    monkeypatch.setattr(Transformer, "forward_ragged", recording)
+    requests = [GenerationRequest(prompt_of(n, seed=n), 10) for n in (9, 30, 1, 17)]  # the 1-token prompt needs none
+    _check_batches(engine, requests)
+    assert 3 in prefills  # batch size 4: the three prompts longer than one token, together
+
+
 @pytest.mark.parametrize("drafter_name", ["random-ar", "random-dllm"])
 def test_a_cancelled_row_leaves_between_rounds_and_a_new_one_takes_its_slot(random_models, drafter_name):
     target = load_model(random_models["target"], dtype=torch.float64)

@@ -174,7 +174,7 @@ class SpeculativeEngine:
 
     def _start(self, index: int, request: GenerationRequest, drafter: Drafter | None,
                cache: KVCache, drafter_cache: KVCache | None) -> _Sequence:
-        """Prefill a joining request's cache row (all prompt tokens but the last)."""
+        """A joining request's sequence, its drafter prepared; `_prefill` fills its cache row."""
         tokenizer = self.target.tokenizer
         seq = _Sequence(index, request, drafter, cache, Sampler(request.sampling),
                         StopStrings(request.stop, tokenizer.decode) if request.stop else None,
@@ -184,14 +184,31 @@ class SpeculativeEngine:
             drafter.prepare(total, cache=drafter_cache)  # type: ignore[call-arg]
         elif drafter is not None:
             drafter.prepare(total)
-        model = self.target.model
-        if len(seq.committed) > 1:
-            out = model(torch.tensor([seq.committed[:-1]], device=model.device), 0, cache, logits_at=slice(0, 0),
-                        taps=self._taps)
-            if self._taps:
-                drafter.add_context(0, out[1][0])  # type: ignore[union-attr]
-            seq.stats.target_forwards += 1
         return seq
+
+    def _prefill(self, joining: dict[int, _Sequence], cache: KVCache) -> None:
+        """Write the joining rows' prompts (all tokens but the last) into their cache rows: one
+        forward over the row's own cache for a single row, else one packed forward for all."""
+        rows = {slot: seq for slot, seq in joining.items() if len(seq.committed) > 1}
+        if not rows:
+            return
+        model, taps = self.target.model, self._taps
+        if len(rows) == 1:
+            [seq] = rows.values()
+            out = model(torch.tensor([seq.committed[:-1]], device=model.device), 0, seq.cache, logits_at=slice(0, 0),
+                        taps=taps)
+            features = {id(seq): out[1][0]} if taps else {}
+        else:
+            ragged = Ragged.pack(list(rows), [0] * len(rows), [seq.committed[:-1] for seq in rows.values()], model.device)
+            out = model.forward_ragged(ragged, cache, logits_at=torch.zeros(0, dtype=torch.long, device=model.device),
+                                       taps=taps)
+            features = ({id(seq): out[1][o:o + n] for seq, o, n in zip(rows.values(), ragged.offsets, ragged.lengths)}
+                        if taps else {})
+        for seq in rows.values():
+            seq.cache.length = len(seq.committed) - 1
+            if taps:
+                seq.drafter.add_context(0, features[id(seq)])  # type: ignore[union-attr]
+            seq.stats.target_forwards += 1
 
     @property
     def _taps(self) -> tuple[int, ...]:
@@ -291,6 +308,7 @@ class DecodeBatch:
         self.shared = (drafter.model.new_cache(drafter.batch_capacity(max_total), batch=slots)
                        if slots > 1 and getattr(drafter, "batchable", False) else None)
         self.active: dict[int, _Sequence] = {}  # slot -> sequence
+        self.joining: dict[int, _Sequence] = {}  # added since the last step: prefilled together by it
 
     @property
     def running(self) -> int:
@@ -301,8 +319,8 @@ class DecodeBatch:
         return self.slots - len(self.active)
 
     def add(self, index: int, request: GenerationRequest) -> None:
-        """Prefill `request` (known to the caller as `index`) into a free slot; it decodes from
-        the next round on."""
+        """Give `request` (known to the caller as `index`) a free slot; the next `step`
+        prefills every request added since the last one in one forward, then decodes them."""
         self.engine.check_request(request)
         if not self.free_slots:
             raise GenerationInputError("the batch has no free slot")
@@ -311,14 +329,16 @@ class DecodeBatch:
                                        "new tokens per request")
         self.engine._ensure_policy(request.prompt_ids)
         slot = next(s for s in range(self.slots) if s not in self.active)
-        self.active[slot] = self.engine._start(index, request, self.drafters[slot], self.cache.row(slot),
-                                               self.shared.row(slot) if self.shared is not None else None)
+        self.active[slot] = self.joining[slot] = self.engine._start(
+            index, request, self.drafters[slot], self.cache.row(slot),
+            self.shared.row(slot) if self.shared is not None else None)
 
     def cancel(self, index: int) -> bool:
         """Drop the request known as `index` (its slot is free at once); False if not running."""
         for slot, seq in self.active.items():
             if seq.index == index:
                 del self.active[slot]
+                self.joining.pop(slot, None)
                 return True
         return False
 
@@ -331,6 +351,8 @@ class DecodeBatch:
         """One round for every running row; (index, result) of the rows that finished in it."""
         if not self.active:
             return []
+        self.engine._prefill(self.joining, self.cache)
+        self.joining = {}
         self.engine._round(self.active, self.cache, self.drafters, self.shared)
         done = [slot for slot, seq in self.active.items() if seq.finished]
         return [(seq.index, seq.result(self.engine.target.tokenizer)) for seq in (self.active.pop(s) for s in done)]
