@@ -41,7 +41,9 @@ STAGES = {
     "dflash-drafter": ("DFlash-style block drafter: reads the target's layer outputs, shares its embedding and "
                        "output head (z-lab's DFlashDraftModel layout)",
                        [("DFlash training on the target's self-distilled continuations", "dflash-drafter"),
-                        ("continued: 12 first-pass windows per row, loss on the draft vocabulary", "dflash-drafter-v2")]),
+                        ("continued: 12 first-pass windows per row, loss on the draft vocabulary", "dflash-drafter-v2"),
+                        ("a third pass over the self-distilled continuations (seed 1, peak lr 6e-4)",
+                         "dflash-drafter-v3")]),
     "eagle3-drafter": ("EAGLE-3-style chain drafter: one layer over the target's fused layer outputs and the token "
                        "embedding, shares the target's embedding and output head",
                        [("EAGLE-3 training (training-time test) on the target's self-distilled continuations",
