@@ -223,6 +223,8 @@ class SpeculativeEngine:
         started = time.perf_counter()
         speculate = self.gate is None or self.gate.speculate(len(active))
         generated = sum(len(seq.generated) for seq in active.values())
+        # a row's first round also feeds its prompt to its drafter: not a rate the gate should learn
+        joined = any(seq.stats.rounds == 0 for seq in active.values())
         drafts: dict[int, tuple[list[int], list[float], int, float]] = {}
         if not speculate:
             drafts = {slot: ([], [], 0, 0.0) for slot in active}
@@ -284,7 +286,7 @@ class SpeculativeEngine:
             seq.stats.verify_s += verify_s
             seq.stats.record(RoundStats(len(draft), accepted, passes, confs))
             seq.commit((*draft[:accepted], next_token))
-        if self.gate is not None:
+        if self.gate is not None and not joined:
             self.gate.record(len(active), speculate, max(sum(len(seq.generated) for seq in active.values()) - generated, 0),
                              time.perf_counter() - started)
 

@@ -1,4 +1,4 @@
-"""Per-generation statistics and the per-round trajectory (DESIGN.md section 7)."""
+"""Per-generation statistics and the per-round trajectory (docs/design.md, "Engine")."""
 
 from __future__ import annotations
 

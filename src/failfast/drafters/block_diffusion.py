@@ -1,4 +1,4 @@
-"""Block-diffusion drafter with Fast-dLLM v2 semantics (DESIGN.md section 4).
+"""Block-diffusion drafter with Fast-dLLM v2 semantics (docs/design.md, "Block-diffusion drafting").
 
 Blocks of B tokens are aligned from position 0. The cache holds K/V of complete blocks
 only. The current block (known tail + masks) is denoised sub-block by sub-block, left to

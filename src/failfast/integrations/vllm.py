@@ -163,10 +163,11 @@ class FailFastProposer:
         if self.gate is None:
             return True
         now = time.perf_counter()
-        if self._last_step is not None:
+        decoding = sum(1 for s in sampled_token_ids if len(s))
+        # a step in which rows joined or were prefilling also did their prefill: not a decoding rate
+        if self._last_step is not None and self._last_step[0] == decoding == len(sampled_token_ids):
             rows, speculated, then = self._last_step
             self.gate.record(rows, speculated, sum(len(s) for s in sampled_token_ids), now - then)
-        decoding = sum(1 for s in sampled_token_ids if len(s))
         speculate = self.gate.speculate(decoding) if decoding else True
         self._last_step = (decoding, speculate, now) if decoding else None
         return speculate

@@ -1,4 +1,4 @@
-"""Training losses: next-token (AR) and block diffusion (Fast-dLLM v2 recipe, DESIGN.md 10)."""
+"""Training losses: next-token (AR) and block diffusion (Fast-dLLM v2 recipe; docs/design.md, "Training")."""
 
 from __future__ import annotations
 
