@@ -28,13 +28,14 @@ def test_the_gate_runs_the_faster_kind_and_probes_the_other_less_and_less():
     assert chosen[:4] == [True, True, False, False]  # warm-up: two rounds of each kind
     # probes that keep the leader double the wait, up to max_probe_every
     assert chosen[4:] == [False] * 4 + [True] + [False] * 8 + [True] + [False] * 16 + [True] + [False] * 16 + [True]
-    # where drafts pay (one row), the same gate speculates, separately from the 16-row bucket
-    assert _run(gate, 1, {True: 200, False: 90}, 8)[4:] == [True] * 4
+    # where drafts pay (two rows), the same gate speculates, separately from the 16-row bucket;
+    # a sample there spans 4 rounds (8 row-rounds)
+    assert _run(gate, 2, {True: 200, False: 90}, 20) == [True] * 8 + [False] * 8 + [True] * 4
     assert _run(gate, 17, {True: 300, False: 500}, 17) == [False] * 16 + [True]  # 17 shares the 16 bucket
 
 
 def test_a_probe_that_turns_out_faster_takes_over():
-    gate = SpeculationGate(warmup=1, probe_every=2, smoothing=1.0)
+    gate = SpeculationGate(warmup=1, probe_every=2, smoothing=1.0, sample_rows=1)
     _run(gate, 4, {True: 100, False: 200}, 2)
     assert _run(gate, 4, {True: 300, False: 200}, 5) == [False, False, True, True, True]
 
@@ -44,6 +45,7 @@ def test_buckets_are_powers_of_two():
 
 
 @pytest.mark.parametrize("settings", [dict(warmup=0), dict(probe_every=0), dict(probe_every=8, max_probe_every=4),
+                                      dict(sample_rows=0),
                                       dict(smoothing=0.0), dict(smoothing=1.5)])
 def test_bad_gate_settings_are_clear_errors(settings):
     with pytest.raises(PolicyError):
@@ -59,7 +61,7 @@ def test_a_gate_needs_a_drafter(random_models):
 def _alternating() -> SpeculationGate:
     """After one round of each kind, every other round is a probe: plain and speculative
     rounds alternate, whatever the timings."""
-    return SpeculationGate(warmup=1, probe_every=1, max_probe_every=1)
+    return SpeculationGate(warmup=1, probe_every=1, max_probe_every=1, sample_rows=1)
 
 
 def _check_gated_equals_ungated(target, drafter, policy, requests):

@@ -88,7 +88,7 @@ def test_the_gate_turns_whole_steps_plain(trained_pair):
     target_dir, drafter_dir = trained_pair
     proposer = FailFastProposer(_vllm_config(target_dir, 16),
                                 ProposerConfig(drafter=str(drafter_dir), tau=0.3, chunk=8, dtype="float64"),
-                                gate=SpeculationGate(warmup=1, probe_every=1, max_probe_every=1))
+                                gate=SpeculationGate(warmup=1, probe_every=1, max_probe_every=1, sample_rows=1))
     a, b = list(range(3, 11)), list(range(20, 26))
     policy = FailFast(0.3, 8, 16)
     kinds = []

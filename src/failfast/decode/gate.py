@@ -25,45 +25,63 @@ def batch_bucket(rows: int) -> int:
 
 @dataclass
 class _Arm:
-    rate: float = 0.0   # moving average of committed tokens per second
-    rounds: int = 0
+    rate: float = 0.0   # moving average over samples of committed tokens per second
+    samples: int = 0
+
+
+@dataclass
+class _Sample:
+    """Consecutive rounds of one kind, measured together: one round of a single row is too
+    noisy (a draft is mostly accepted or mostly rejected), so a sample spans enough rounds to
+    cover `sample_rows` row-rounds."""
+    speculated: bool
+    tokens: int = 0
+    seconds: float = 0.0
+    row_rounds: int = 0
 
 
 @dataclass
 class _Bucket:
     arms: dict[bool, _Arm] = field(default_factory=lambda: {True: _Arm(), False: _Arm()})
+    open: _Sample | None = None
     since_probe: int = 0
-    interval: int = 0  # leader rounds between probes (0: not set yet)
+    interval: int = 0  # leader samples between probes (0: not set yet)
 
 
 @dataclass
 class SpeculationGate:
     """Speculate in a round only where speculative rounds have been measured faster.
 
-    Each bucket first runs `warmup` rounds of each kind (speculative first), then the kind
-    with the higher average rate, and one round of the other kind (a probe) after
-    `probe_every` rounds. A probe costs a slow round, so each probe that leaves the leader in
-    place doubles the wait before the next one, up to `max_probe_every`; a probe that changes
-    the leader resets it. `smoothing` is the weight of the newest round in each average.
+    Rounds are measured in samples of one kind covering at least `sample_rows` row-rounds (one
+    round of 16 rows; 8 rounds of one row). Each bucket first takes `warmup` samples of each
+    kind (speculative first), then runs the kind with the higher average rate, and one sample
+    of the other kind (a probe) after `probe_every` samples. A probe is slow, so each probe that
+    leaves the leader in place doubles the wait before the next one, up to `max_probe_every`;
+    a probe that changes the leader resets it. `smoothing` is the weight of the newest sample
+    in each average.
     """
 
     warmup: int = 2
     probe_every: int = 16
     max_probe_every: int = 256
     smoothing: float = 0.2
+    sample_rows: int = 8
     buckets: dict[int, _Bucket] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if (self.warmup < 1 or not 1 <= self.probe_every <= self.max_probe_every
-                or not 0 < self.smoothing <= 1):
-            raise PolicyError(f"need warmup >= 1, 1 <= probe_every <= max_probe_every and 0 < smoothing <= 1, got "
-                              f"{self.warmup}, {self.probe_every}, {self.max_probe_every}, {self.smoothing}")
+                or not 0 < self.smoothing <= 1 or self.sample_rows < 1):
+            raise PolicyError(f"need warmup >= 1, 1 <= probe_every <= max_probe_every, 0 < smoothing <= 1 and "
+                              f"sample_rows >= 1, got {self.warmup}, {self.probe_every}, {self.max_probe_every}, "
+                              f"{self.smoothing}, {self.sample_rows}")
 
     def speculate(self, rows: int) -> bool:
         """Whether the next round of `rows` rows drafts."""
         bucket = self.buckets.setdefault(batch_bucket(rows), _Bucket())
+        if bucket.open is not None:  # finish the sample in progress
+            return bucket.open.speculated
         for kind in (True, False):
-            if bucket.arms[kind].rounds < self.warmup:
+            if bucket.arms[kind].samples < self.warmup:
                 return kind
         best = bucket.arms[True].rate >= bucket.arms[False].rate
         if bucket.since_probe >= (bucket.interval or self.probe_every):
@@ -73,15 +91,27 @@ class SpeculationGate:
     def record(self, rows: int, speculated: bool, tokens: int, seconds: float) -> None:
         """A finished round of `rows` rows committed `tokens` tokens in `seconds`."""
         bucket = self.buckets.setdefault(batch_bucket(rows), _Bucket())
-        warming = min(a.rounds for a in bucket.arms.values()) < self.warmup
+        if bucket.open is None or bucket.open.speculated != speculated:
+            bucket.open = _Sample(speculated)
+        sample = bucket.open
+        sample.tokens += tokens
+        sample.seconds += seconds
+        sample.row_rounds += rows
+        if sample.row_rounds >= self.sample_rows:
+            bucket.open = None
+            self._close(bucket, sample)
+
+    def _close(self, bucket: _Bucket, sample: _Sample) -> None:
+        """Fold a finished sample into its kind's average and schedule the next probe."""
+        warming = min(a.samples for a in bucket.arms.values()) < self.warmup
         leader = bucket.arms[True].rate >= bucket.arms[False].rate
-        probe = not warming and speculated != leader
+        probe = not warming and sample.speculated != leader
         bucket.since_probe = 0 if warming or probe else bucket.since_probe + 1
-        arm = bucket.arms[speculated]
-        rate = tokens / max(seconds, 1e-9)
-        # a warm-up round replaces the average (the first round of a new shape pays one-off costs)
-        arm.rate = rate if arm.rounds < self.warmup else (1 - self.smoothing) * arm.rate + self.smoothing * rate
-        arm.rounds += 1
+        arm = bucket.arms[sample.speculated]
+        rate = sample.tokens / max(sample.seconds, 1e-9)
+        # a warm-up sample replaces the average (the first rounds of a new shape pay one-off costs)
+        arm.rate = rate if arm.samples < self.warmup else (1 - self.smoothing) * arm.rate + self.smoothing * rate
+        arm.samples += 1
         if probe:
             kept = leader == (bucket.arms[True].rate >= bucket.arms[False].rate)
             bucket.interval = min(2 * (bucket.interval or self.probe_every), self.max_probe_every) if kept \
