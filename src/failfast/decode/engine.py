@@ -193,21 +193,20 @@ class SpeculativeEngine:
         if not rows:
             return
         model, taps = self.target.model, self._taps
-        if len(rows) == 1:
-            [seq] = rows.values()
-            out = model(torch.tensor([seq.committed[:-1]], device=model.device), 0, seq.cache, logits_at=slice(0, 0),
-                        taps=taps)
-            features = {id(seq): out[1][0]} if taps else {}
+        seqs = list(rows.values())
+        if len(seqs) == 1:
+            out = model(torch.tensor([seqs[0].committed[:-1]], device=model.device), 0, seqs[0].cache,
+                        logits_at=slice(0, 0), taps=taps)
+            features = [out[1][0]] if taps else []
         else:
-            ragged = Ragged.pack(list(rows), [0] * len(rows), [seq.committed[:-1] for seq in rows.values()], model.device)
+            ragged = Ragged.pack(list(rows), [0] * len(seqs), [seq.committed[:-1] for seq in seqs], model.device)
             out = model.forward_ragged(ragged, cache, logits_at=torch.zeros(0, dtype=torch.long, device=model.device),
                                        taps=taps)
-            features = ({id(seq): out[1][o:o + n] for seq, o, n in zip(rows.values(), ragged.offsets, ragged.lengths)}
-                        if taps else {})
-        for seq in rows.values():
+            features = [out[1][o:o + n] for o, n in zip(ragged.offsets, ragged.lengths)] if taps else []
+        for seq, row_features in zip(seqs, features or [None] * len(seqs)):
             seq.cache.length = len(seq.committed) - 1
-            if taps:
-                seq.drafter.add_context(0, features[id(seq)])  # type: ignore[union-attr]
+            if row_features is not None:
+                seq.drafter.add_context(0, row_features)  # type: ignore[union-attr]
             seq.stats.target_forwards += 1
 
     @property
@@ -220,11 +219,13 @@ class SpeculativeEngine:
         """Draft for every active row (unless the gate says plain rounds are faster now),
         verify them in one forward, commit each row's tokens."""
         model = self.target.model
-        started = time.perf_counter()
-        speculate = self.gate is None or self.gate.speculate(len(active))
-        generated = sum(len(seq.generated) for seq in active.values())
-        # a row's first round also feeds its prompt to its drafter: not a rate the gate should learn
-        joined = any(seq.stats.rounds == 0 for seq in active.values())
+        gate = self.gate
+        if gate is not None:  # what the gate needs to measure the round
+            started = time.perf_counter()
+            generated = sum(len(seq.generated) for seq in active.values())
+            # a row's first round also feeds its prompt to its drafter: not a rate the gate should learn
+            joined = any(seq.stats.rounds == 0 for seq in active.values())
+        speculate = gate is None or gate.speculate(len(active))
         drafts: dict[int, tuple[list[int], list[float], int, float]] = {}
         if not speculate:
             drafts = {slot: ([], [], 0, 0.0) for slot in active}
@@ -286,9 +287,9 @@ class SpeculativeEngine:
             seq.stats.verify_s += verify_s
             seq.stats.record(RoundStats(len(draft), accepted, passes, confs))
             seq.commit((*draft[:accepted], next_token))
-        if self.gate is not None and not joined:
-            self.gate.record(len(active), speculate, max(sum(len(seq.generated) for seq in active.values()) - generated, 0),
-                             time.perf_counter() - started)
+        if gate is not None and not joined:
+            gate.record(len(active), speculate, max(sum(len(seq.generated) for seq in active.values()) - generated, 0),
+                        time.perf_counter() - started)
 
 
 class DecodeBatch:
