@@ -104,9 +104,8 @@ def _ours(engine: SpeculativeEngine, requests: list[GenerationRequest]) -> Calla
 
 def _vllm_peers(dtype: torch.dtype, prompts: list[list[int]], max_new: int,
                 max_batch: int) -> dict[str, Callable[[int], tuple[list[list[int]], int]]]:
-    """vLLM engines on the embedded target: B prompts per `generate` call. Their target
-    forwards are not reported (0): vLLM's accepted-draft counter, read right after a call,
-    lagged behind it in these runs."""
+    """vLLM engines on the embedded target: B prompts per `generate` call; target forwards
+    per row from vLLM's per-request acceptance counts."""
     from failfast.integrations.vllm import ProposerConfig
     from failfast.integrations.vllm_peers import VLLM_METHODS, VllmGenerator, speculative_config
     peers = {}
@@ -119,7 +118,8 @@ def _vllm_peers(dtype: torch.dtype, prompts: list[list[int]], max_new: int,
 
 def _chunked(generator, prompts: list[list[int]], max_new: int) -> Callable[[int], tuple[list[list[int]], int]]:
     def run(b: int) -> tuple[list[list[int]], int]:
-        return [t for i in range(0, len(prompts), b) for t in generator.generate(prompts[i:i + b], max_new)], 0
+        done = [c for i in range(0, len(prompts), b) for c in generator.generate(prompts[i:i + b], max_new)]
+        return [c.token_ids for c in done], sum(c.stats.rounds for c in done)
     return run
 
 

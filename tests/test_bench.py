@@ -85,3 +85,22 @@ def test_quick_bench_on_embedded_models(tmp_path, capsys):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = (out / "trajectory.html").read_text()
     assert page.count("<tr>") >= 2 and 'class="acc"' in page
+
+
+def test_summary_reports_forwards_without_timings_for_engines_that_hide_them():
+    """A peer engine (vLLM) reports tokens, target forwards and acceptance but no internal
+    timings: the summary has its tokens per forward and leaves the timing columns out."""
+    from failfast.bench.report import summarize
+    from failfast.bench.runner import BASELINE, PromptResult
+    from failfast.decode.stats import GenerationStats
+
+    ours = GenerationStats(tokens=8, rounds=8, target_forwards=8, wall_s=0.1, draft_s=0.0, verify_s=0.08)
+    peer = GenerationStats(tokens=8, rounds=3, drafted=9, accepted=5, target_forwards=3)
+    tokens = list(range(8))
+    result = PromptResult("p", 4, {BASELINE: [0.1], "peer": [0.05]},
+                          {BASELINE: MethodOutput(tokens, ours), "peer": MethodOutput(tokens, peer)})
+    base, other = summarize([result], [BASELINE, "peer"])
+    assert base["drafter_forwards_per_round"] == 0 and base["tokens_per_target_forward"] == 1
+    assert other["tokens_per_target_forward"] == pytest.approx(8 / 3)
+    assert other["acceptance_rate"] == pytest.approx(5 / 9)
+    assert "drafter_forwards_per_round" not in other and "draft_time_share" not in other

@@ -27,7 +27,7 @@ from failfast.integrations.vllm_peers import VLLM_METHODS, VllmGenerator, specul
 @dataclass
 class MethodOutput:
     token_ids: list[int]
-    stats: GenerationStats | None  # None for transformers methods (no internals exposed)
+    stats: GenerationStats | None  # None for transformers methods (no internals exposed); vLLM's without timings
 
 
 Runner = Callable[[list[int], int, list[int]], MethodOutput]
@@ -158,7 +158,8 @@ class MethodFactory:
         generator = self._vllm[method]
 
         def run(prompt: list[int], max_new: int, reference: list[int]) -> MethodOutput:
-            return MethodOutput(generator.generate([prompt], max_new)[0], None)
+            completion = generator.generate([prompt], max_new)[0]
+            return MethodOutput(completion.token_ids, completion.stats)
         return run
 
     def runner(self, spec: MethodSpec) -> Runner:

@@ -44,11 +44,11 @@ def summarize(results: list[PromptResult], method_names: list[str]) -> list[dict
         if all(s is not None for s in stats):
             tokens, rounds = sum(s.tokens for s in stats), sum(s.rounds for s in stats)
             drafted, accepted = sum(s.drafted for s in stats), sum(s.accepted for s in stats)
+            row.update(tokens_per_target_forward=tokens / rounds, acceptance_rate=accepted / drafted if drafted else None)
+        if all(s is not None and s.wall_s > 0 for s in stats):  # our engine's own timings (not vLLM's)
             passes = sum(s.drafter_forwards for s in stats)
             wall, draft = sum(s.wall_s for s in stats), sum(s.draft_s for s in stats)
             row.update(
-                tokens_per_target_forward=tokens / rounds,
-                acceptance_rate=accepted / drafted if drafted else None,
                 drafter_forwards_per_round=passes / rounds,
                 draft_time_share=draft / wall,
                 verify_time_share=sum(s.verify_s for s in stats) / wall,

@@ -10,11 +10,13 @@ inherits the proposer's config through the environment this module sets;
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from failfast.decode.stats import GenerationStats
 from failfast.errors import GenerationInputError
 from failfast.integrations.vllm import ProposerConfig
 
@@ -46,6 +48,16 @@ def speculative_config(method: str, ar_drafter: Path | None = None) -> dict[str,
     raise GenerationInputError(f"unknown vLLM method {method!r} (choose from {', '.join(VLLM_METHODS)})")
 
 
+@dataclass(frozen=True)
+class VllmCompletion:
+    """One request's greedy tokens and what vLLM reports of it (tokens, target forwards,
+    drafted and accepted tokens; vLLM does not expose its internal timings, so `wall_s` and
+    the drafter fields stay 0)."""
+
+    token_ids: list[int]
+    stats: GenerationStats
+
+
 class VllmGenerator:
     """A vLLM engine over a failfast checkpoint folder: greedy token ids in, token ids out."""
 
@@ -57,24 +69,35 @@ class VllmGenerator:
         if proposer is not None:  # read by FailFastProposer when vLLM builds it, in the engine's process
             os.environ.update(proposer.to_env())
         from vllm import LLM
+        # Per-request acceptance counts come back with each finished request (vLLM's global
+        # counters are aggregated asynchronously and lag the call that produced them).
+        metrics = {"per_request_spec_decode_metrics": "summary"} if speculative else {}
         self.llm = LLM(model=str(target), dtype=str(dtype).removeprefix("torch."), max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, enforce_eager=True, speculative_config=speculative, seed=0,
-                       disable_log_stats=False)
+                       **metrics)
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int]) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int]) -> list[VllmCompletion]:
         """Greedy continuations, in prompt order; up to `max_num_seqs` decode together."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         lengths = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
         params = [SamplingParams(temperature=0.0, max_tokens=n) for n in lengths]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
-
-    def accepted_draft_tokens(self) -> int:
-        """Draft tokens the target accepted so far (vLLM's speculative-decoding counter)."""
-        return int(sum(getattr(m, "value", 0) for m in self.llm.get_metrics()
-                       if m.name == "vllm:spec_decode_num_accepted_tokens"))
+        return [_completion(o.outputs[0]) for o in outs]
 
     def close(self) -> None:
         """Stop the engine's core process now (not at interpreter exit, when logging is gone)."""
         self.llm.llm_engine.engine_core.shutdown()
+
+
+def _completion(completion: Any) -> VllmCompletion:
+    """A vLLM completion with failfast statistics. Each target forward of a request commits
+    its accepted draft tokens plus one (the prefill's forward commits the first token), so
+    its forwards are its tokens minus the accepted ones."""
+    tokens = list(completion.token_ids)
+    spec = getattr(completion, "spec_decode_metrics", None)
+    accepted = sum(j * count for j, count in enumerate(spec.histogram)) if spec is not None else 0
+    drafted = spec.num_draft_tokens if spec is not None else 0
+    forwards = len(tokens) - accepted
+    return VllmCompletion(tokens, GenerationStats(tokens=len(tokens), rounds=forwards, drafted=drafted,
+                                                  accepted=accepted, target_forwards=forwards))
