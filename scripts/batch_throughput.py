@@ -1,7 +1,9 @@
 """Throughput of the batch regime: plain AR, the AR drafter (Fixed 4), FailFast, and FailFast
 over the DFlash and EAGLE-3 drafters at several batch sizes, same prompts; `--gated` adds each
 speculative method behind a speculation gate ("+gate": rounds skip drafting where plain rounds
-measure faster, decode/gate.py); `--vllm` adds vLLM on the same weights (plain, ngram, our AR
+measure faster, decode/gate.py); `--bucketed` adds each method with verification forwards
+padded to a few shapes ("+buckets", what a GPU capturing its forwards needs; its cost on
+this machine); `--vllm` adds vLLM on the same weights (plain, ngram, our AR
 drafter as its draft model, our FailFast proposer; needs the vllm extra). vLLM gets the
 prompts in chunks of B (static batches; its engines hold up to the largest B), ours refill
 freed rows (continuous batching); with a fixed number of new tokens rows end together anyway.
@@ -40,6 +42,7 @@ def main() -> None:
     p.add_argument("--threads", type=int)
     p.add_argument("--methods", help="comma-separated subset of the method names (default: all)")
     p.add_argument("--gated", action="store_true", help="add every speculative method behind a speculation gate")
+    p.add_argument("--bucketed", action="store_true", help="add every method with bucketed (padded) verification shapes")
     p.add_argument("--vllm", action="store_true", help="add vLLM peers (vllm-ar, vllm-ngram, vllm-draft-model, "
                                                       "vllm-failfast)")
     args = p.parse_args()
@@ -57,6 +60,9 @@ def main() -> None:
     if args.gated:  # a fresh gate per method: it learns that method's rates
         engines |= {f"{name}+gate": SpeculativeEngine(e.target, e.drafter, e.policy, SpeculationGate())
                     for name, e in engines.items() if e.drafter is not None}
+    if args.bucketed:
+        engines |= {f"{name}+buckets": SpeculativeEngine(e.target, e.drafter, e.policy, bucketed_shapes=True)
+                    for name, e in list(engines.items()) if e.gate is None}
     requests = [GenerationRequest(pipe.encode(x.text), args.max_new_tokens) for x in load_dataset(args.dataset, args.prompts)]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     methods: dict[str, Callable[[int], tuple[list[list[int]], int]]] = {name: _ours(e, requests)

@@ -208,3 +208,72 @@ def test_ragged_forward_equals_one_row_forwards(random_models):
             assert torch.allclose(packed[lo:lo + tokens.shape[1]], one, atol=1e-12)
             end = prefix.shape[1] + tokens.shape[1]
             assert torch.allclose(batch.keys[1][row, :, :end], cache.keys[1][0, :, :end], atol=1e-12)
+
+
+def test_shape_buckets():
+    from failfast.model.shapes import key_bucket, token_bucket
+
+    assert [token_bucket(n) for n in (1, 3, 5, 8, 9, 64, 65, 1024, 1025)] == [1, 4, 8, 8, 16, 64, 128, 1024, 1280]
+    assert [key_bucket(n, 300) for n in (1, 64, 65, 200, 257, 300)] == [64, 64, 128, 256, 300, 300]
+    assert len({token_bucket(n) for n in range(1, 4097)}) == 38
+    with pytest.raises(ValueError):
+        key_bucket(301, 300)
+
+
+def test_padded_ragged_forward_fills_a_bucket_in_the_padding_row(random_models):
+    """Filler tokens pad the packed forward to its bucket in the padding row only (split into
+    rows no wider than the widest real row or the capacity); the real rows' logits and K/V
+    are those of the unpadded forward (float64; other GEMM shapes, so up to rounding)."""
+    model = load_model(random_models["target"], dtype=torch.float64).model
+    gen = torch.Generator().manual_seed(1)
+    new = [torch.randint(2, 90, (n,), generator=gen).tolist() for n in (30, 23, 20)]  # 73 tokens -> 128
+    plain, padded = model.new_cache(48, batch=4), model.new_cache(48, batch=4)
+    ragged = Ragged.pack([0, 1, 2], [0, 0, 0], new, model.device)
+    filled = Ragged.pack([0, 1, 2], [0, 0, 0], new, model.device, padding_row=3, capacity=48)
+    assert filled.tokens.shape[1] == 128 and filled.rows == [0, 1, 2, 3, 3] and filled.lengths[3:] == [30, 25]
+    assert filled.width == 32  # the widest real row's bucket: filler rows are no wider
+    narrow = Ragged.pack([0, 1, 2], [0, 0, 0], new, model.device, padding_row=3, capacity=16)
+    assert narrow.lengths[3:] == [16, 16, 16, 7]  # no filler row past the capacity
+    want = model.forward_ragged(ragged, plain)
+    got = model.forward_ragged(filled, padded)
+    assert torch.allclose(got[:73], want, atol=1e-12)
+    for layer in range(len(plain.keys)):
+        assert torch.allclose(padded.keys[layer][:3], plain.keys[layer][:3], atol=1e-12)
+    with pytest.raises(ValueError, match="causal"):
+        model.forward_ragged(filled, padded, block_size=8, context_ends=[40, 40, 40, 40, 40])
+
+
+@pytest.mark.parametrize("drafter_name", [None, "random-dllm", "random-dflash"])
+def test_bucketed_shapes_keep_every_row(random_models, monkeypatch, drafter_name):
+    """With bucketed shapes every verification is one packed forward (one row too) whose
+    tokens, attention width and keys read come from the buckets, and every row's output and
+    drafts stay what the unpadded engine gives (`_check_batches`, float64)."""
+    from failfast.model.kv_cache import KVCache
+    from failfast.model.shapes import key_bucket, token_bucket
+
+    target = load_model(random_models["target"], dtype=torch.float64)
+    shapes = []  # (tokens, width, keys read, capacity) of each causal ragged forward's first layer
+    real = KVCache.write_ragged
+
+    def recording(self, layer, ragged, k, v, read_end):
+        if layer == 0 and ragged.bucketed:
+            shapes.append((ragged.tokens.shape[1], ragged.width, read_end, self.capacity))
+        return real(self, layer, ragged, k, v, read_end)
+    monkeypatch.setattr(KVCache, "write_ragged", recording)
+    if drafter_name is None:
+        engine = SpeculativeEngine(target, bucketed_shapes=True)
+    else:
+        drafter = make_drafter(target, load_model(random_models[drafter_name], dtype=torch.float64))
+        engine = SpeculativeEngine(target, drafter, FailFast(tau=0.0, chunk=3, max_draft=20), bucketed_shapes=True)
+    reference = SpeculativeEngine(target, engine.drafter, engine.policy)
+    requests = _requests()
+    want = [reference.generate(r.prompt_ids, r.max_new_tokens, r.sampling, r.stop) for r in requests]
+    for batch_size in (1, 3, len(requests)):
+        got = dict(engine.generate_many(requests, batch_size))
+        for i, w in enumerate(want):
+            assert got[i].token_ids == w.token_ids
+            assert [(x.drafted, x.accepted) for x in got[i].stats.trajectory] == \
+                   [(x.drafted, x.accepted) for x in w.stats.trajectory]
+    assert shapes and all(n == token_bucket(n) and w == token_bucket(w) and keys == key_bucket(keys, cap)
+                          for n, w, keys, cap in shapes)
+    assert len({n for n, *_ in shapes}) < len(shapes) / 4  # few shapes for many rounds

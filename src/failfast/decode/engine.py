@@ -102,15 +102,20 @@ class SpeculativeEngine:
     Batches: `generate_many` runs up to `batch_size` sequences per target forward, each with
     its own copy of the drafter (the drafter's `prepare` resets all per-sequence state).
     A `gate` lets rounds skip drafting where plain rounds measure faster (decode/gate.py).
+    `bucketed_shapes` pads every verification forward to a few shapes (tokens, attention width,
+    keys read), as a GPU capturing its forwards needs; on a CPU padding only costs
+    (docs/design.md, "Capture-friendly shapes").
     """
 
     def __init__(self, target: LoadedModel, drafter: Drafter | None = None,
-                 policy: Policy | PolicyFactory | None = None, gate: SpeculationGate | None = None) -> None:
+                 policy: Policy | PolicyFactory | None = None, gate: SpeculationGate | None = None,
+                 bucketed_shapes: bool = False) -> None:
         if (drafter is None) != (policy is None):
             raise GenerationInputError("a drafter needs a policy and a policy needs a drafter")
         if gate is not None and drafter is None:
             raise GenerationInputError("a speculation gate needs a drafter")
         self.gate = gate
+        self.bucketed_shapes = bucketed_shapes
         self.target = target
         self.drafter = drafter
         self._policy_factory = policy if policy is not None and is_policy_factory(policy) else None
@@ -250,7 +255,7 @@ class SpeculativeEngine:
             drafts[slot] = (draft[:keep], confs[:keep], passes, draft_s)
         t1 = time.perf_counter()
         taps = self._taps
-        if len(active) == 1:  # alone: the single-sequence forward over its own cache row
+        if len(active) == 1 and not self.bucketed_shapes:  # alone: the single-sequence forward over its own cache row
             [(slot, seq)] = active.items()
             n = len(seq.committed)
             out = model(torch.tensor([[seq.committed[-1], *drafts[slot][0]]], device=model.device), n - 1, seq.cache,
@@ -258,8 +263,11 @@ class SpeculativeEngine:
             logits, features = (out[0][0], out[1][0]) if taps else (out[0], None)
             spans = {slot: (0, logits.shape[0])}
         else:  # every active row in one packed forward over its cache row
+            # bucketed: filler tokens go to the batch cache's last row, kept for them
+            padding_row = cache.keys[0].shape[0] - 1 if self.bucketed_shapes else None
             ragged = Ragged.pack(list(active), [len(seq.committed) - 1 for seq in active.values()],
-                                 [[seq.committed[-1], *drafts[slot][0]] for slot, seq in active.items()], model.device)
+                                 [[seq.committed[-1], *drafts[slot][0]] for slot, seq in active.items()], model.device,
+                                 padding_row=padding_row, capacity=cache.capacity)
             out = model.forward_ragged(ragged, cache, taps=taps)
             logits, features = out if taps else (out, None)
             spans = {slot: (o, o + n) for slot, o, n in zip(active, ragged.offsets, ragged.lengths)}
@@ -304,7 +312,7 @@ class DecodeBatch:
         self.slots = slots
         self.max_total = max_total
         self.max_new_tokens = max_new_tokens
-        self.cache = engine.target.model.new_cache(max_total, batch=slots)
+        self.cache = engine.target.model.new_cache(max_total, batch=slots + engine.bucketed_shapes)
         drafter = engine.drafter
         self.drafters = [drafter] + [copy.copy(drafter) for _ in range(slots - 1)]
         # drafters that batch their passes share one cache, a row per slot (room for padding too)

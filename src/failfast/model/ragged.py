@@ -16,6 +16,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from failfast.model.shapes import token_bucket
+
 
 @dataclass(frozen=True)
 class Ragged:
@@ -30,10 +32,22 @@ class Ragged:
     row_of: Tensor     # [N]: index i of each token's row
     col_of: Tensor     # [N]: index of each token within its row
     cache_row_of: Tensor  # [N]: each token's cache row
+    bucketed: bool = False  # N, the attention width and the keys read come from a few buckets
 
     @staticmethod
     def pack(rows: Sequence[int], starts: Sequence[int], tokens: Sequence[Sequence[int]],
-             device: torch.device | str) -> "Ragged":
+             device: torch.device | str, *, padding_row: int | None = None, capacity: int = 0) -> "Ragged":
+        """With `padding_row` (a scratch cache row no real row uses), the packed tokens are
+        padded up to `token_bucket(N)` by rows of filler tokens in that cache row, at positions
+        from 0, after the real rows: callers read the real rows by `offsets` and ignore the
+        rest. A filler row is no wider than the widest real row (attention's width stays) nor
+        than `capacity`; filler rows overlap in the cache, and their K/V are never read."""
+        if padding_row is not None:
+            real = sum(len(t) for t in tokens)
+            pad, chunk = token_bucket(real) - real, min(capacity, max(map(len, tokens)))
+            fill = [min(chunk, pad - lo) for lo in range(0, pad, chunk)]
+            rows, starts = [*rows, *[padding_row] * len(fill)], [*starts, *[0] * len(fill)]
+            tokens = [*tokens, *[[0] * n for n in fill]]
         lengths = [len(t) for t in tokens]
         if not lengths or min(lengths) < 1 or not len(rows) == len(starts) == len(lengths):
             raise ValueError("a ragged forward needs one start and at least one token per row")
@@ -44,11 +58,12 @@ class Ragged:
         flat = [t for row in tokens for t in row]
         return Ragged(torch.tensor([flat], device=device), positions[None].to(device), list(rows), list(starts),
                       lengths, offsets, row_of.to(device), col_of.to(device),
-                      torch.tensor(list(rows))[row_of].to(device))
+                      torch.tensor(list(rows))[row_of].to(device), padding_row is not None)
 
     @property
     def width(self) -> int:
-        return max(self.lengths)
+        """Tokens per row of attention's padded layout."""
+        return token_bucket(max(self.lengths)) if self.bucketed else max(self.lengths)
 
     def padded_positions(self) -> Tensor:
         """[rows, width] positions; a padding entry repeats its row's first position, so its

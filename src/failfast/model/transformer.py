@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from failfast.model.config import ModelConfig
 from failfast.model.kv_cache import KVCache
 from failfast.model.ragged import Ragged
+from failfast.model.shapes import key_bucket
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 # Rows per 16-bit matmul call. CPU kernels pick their blocking by row count, and past ~32 rows
@@ -313,7 +314,8 @@ class Transformer(nn.Module):
         `taps`, also the tapped layers' features [N, F] (as `forward`).
 
         Row i's cache row must hold its positions [0, starts[i]); its tokens' K/V are written
-        at their positions, and cache lengths are the caller's (`KVCache.row` views). Causal;
+        at their positions, and cache lengths are the caller's (`KVCache.row` views). A
+        bucketed `ragged` (filler rows included, `Ragged.pack`) also reads keys up to a bucket. Causal;
         or, with `block_size`, block-causal up to `context_ends[i]` (scratch passes of a
         block-diffusion drafter, which read K/V earlier passes wrote up there).
         """
@@ -321,6 +323,10 @@ class Transformer(nn.Module):
         read_end = max([s + n for s, n in zip(ragged.starts, ragged.lengths)] + (context_ends or []))
         if read_end > cache.capacity:
             raise ValueError(f"positions up to {read_end} exceed the cache capacity {cache.capacity}")
+        if ragged.bucketed:  # a padded causal forward (a verification): keys read up to a bucket too
+            if block_size is not None:
+                raise ValueError("padded ragged forwards are causal: filler K/V in a block would be read")
+            read_end = key_bucket(read_end, cache.capacity)
         keys = torch.arange(read_end, device=device)
         allowed = attention_mask(ragged.padded_positions(), keys, block_size)
         if context_ends is not None:
