@@ -53,6 +53,8 @@ clean:
 # is a file target, so an interrupted `make models` continues where it stopped (`--resume`).
 # Intermediate outputs go to runs/; `make ship-models` copies the results into the package.
 RUNS ?= runs
+comma := ,
+space := $(subst ,, )
 TRAIN := $(VENV)/bin/failfast train
 COMMON := --data $(RUNS)/data --batch-size 16 --seq-len 256 --resume
 # Self-distillation rows: 102 shards (10.0M target tokens) generated 2026-12-04 and committed in
@@ -154,6 +156,19 @@ $(RUNS)/dflash-drafter-v3/training.json: $(RUNS)/dflash-drafter-v2/training.json
 # 4 chain steps, loss on its 2048-token draft vocabulary (2026-12-05, 1 thread with native bf16).
 $(RUNS)/eagle3-drafter/training.json: $(RUNS)/selfdistill/.complete
 	$(TRAIN) eagle3 --target $(RUNS)/target-v2 --rows $(RUNS)/selfdistill --out $(RUNS)/eagle3-drafter $(EAGLE3_FLAGS) --draft-vocab-size $(DRAFT_VOCAB) $(COMMON)
+
+# More varied code for the next target (issue "FailFast rounds that pay", item 4: greedy output of
+# a target trained on the stdlib alone repeats itself): the Python source of pinned packages,
+# installed into runs/ without their dependencies, tokenised with the target's own vocabulary and
+# held out by file as the stdlib is. Not yet part of `models`: no target has trained on it.
+CORPUS_PACKAGES := numpy==2.3.5 matplotlib==3.10.8 networkx==3.6.1 sympy==1.14.0
+$(RUNS)/corpus-packages/.installed: | venv
+	$(PY) -m pip install --quiet --no-deps --target $(RUNS)/corpus-packages $(CORPUS_PACKAGES)
+	touch $@
+
+$(RUNS)/data-packages/manifest.json: $(RUNS)/corpus-packages/.installed $(RUNS)/data/manifest.json
+	$(TRAIN) data --out $(RUNS)/data-packages --tokenizer $(RUNS)/data/tokenizer.json --packages-from $(RUNS)/corpus-packages \
+		--packages $(subst $(space),$(comma),$(foreach p,$(CORPUS_PACKAGES),$(firstword $(subst ==, ,$(p)))))
 
 # Copy the trained models into the package with model cards (after `make models`).
 ship-models: venv

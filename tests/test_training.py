@@ -58,6 +58,37 @@ def test_split_is_deterministic_and_holds_out_files(data_dir):
     assert split_corpus(split.root) == split
 
 
+def test_installed_packages_join_the_corpus_and_keep_the_stdlib_split(data_dir, tmp_path, monkeypatch):
+    """`--packages`: a package's files join train and held-out under `<package>/<path>` names,
+    the stdlib part splits as before, the manifest names the packages, and `--tokenizer` keeps
+    a model's vocabulary instead of training a new one."""
+    site = tmp_path / "site"
+    for i in range(60):
+        module = site / "fakepkg" / "sub" / f"m{i}.py"
+        module.parent.mkdir(parents=True, exist_ok=True)
+        module.write_text(SOURCE.replace("Counter", f"Counter{i}"))
+    monkeypatch.syspath_prepend(str(site))
+    manifest = json.loads((data_dir / "manifest.json").read_text())
+    out = tmp_path / "data"
+    assert main(["train", "data", "--out", str(out), "--corpus", manifest["corpus_root"], "--packages", "fakepkg",
+                 "--tokenizer", str(data_dir / "tokenizer.json")]) == 0
+    mixed = json.loads((out / "manifest.json").read_text())
+    assert mixed["packages"] == [{"name": "fakepkg", "version": None, "files": 60}]
+    assert mixed["train_files"] + len(mixed["held_out_files"]) == manifest["train_files"] + len(manifest["held_out_files"]) + 60
+    held_package = [n for n in mixed["held_out_files"] if n.startswith("fakepkg/sub/")]
+    assert held_package and [n for n in mixed["held_out_files"] if n not in held_package] == manifest["held_out_files"]
+    assert mixed["train_tokens"] > manifest["train_tokens"]
+    assert (out / "tokenizer.json").read_text() == (data_dir / "tokenizer.json").read_text()
+    with pytest.raises(CorpusError, match="not installed"):
+        split_corpus(Path(manifest["corpus_root"]), ["no_such_package_here"])
+    # from a `pip install --target` folder: the same files, and the version its metadata pins
+    (site / "fakepkg-1.2.dist-info").mkdir()
+    (site / "fakepkg-1.2.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: fakepkg\nVersion: 1.2\n")
+    pinned = split_corpus(Path(manifest["corpus_root"]), ["fakepkg"], packages_from=site)
+    assert pinned.packages[0].version == "1.2" and pinned.held_out == split_corpus(
+        Path(manifest["corpus_root"]), ["fakepkg"]).held_out
+
+
 def test_ar_and_diffusion_stages_learn_and_reload(data_dir, tmp_path):
     ar = train_ar(data_dir, tmp_path / "ar", "tiny", _settings(30))
     losses = [h["loss"] for h in ar["history"]]

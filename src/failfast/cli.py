@@ -189,7 +189,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads) if getattr(args, "threads", None) else None
     if args.stage == "data":
-        manifest = prepare_data(Path(args.out), Path(args.corpus) if args.corpus else None, args.vocab_size)
+        packages = [name for name in (args.packages or "").split(",") if name]
+        manifest = prepare_data(Path(args.out), Path(args.corpus) if args.corpus else None, args.vocab_size, packages,
+                                Path(args.tokenizer) if args.tokenizer else None,
+                                Path(args.packages_from) if args.packages_from else None)
         print(f"train tokens {manifest['train_tokens']}, held-out tokens {manifest['held_out_tokens']}, "
               f"vocab {manifest['vocab_size']} -> {args.out}")
         return 0
@@ -382,6 +385,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", required=True, help="output folder")
     t.add_argument("--corpus", help="[data] folder of .py files (default: this Python's stdlib)")
     t.add_argument("--vocab-size", type=int, default=8192, help="[data] BPE vocabulary size")
+    t.add_argument("--packages", help="[data] comma-separated installed packages whose .py files join the corpus "
+                   "(held out by file as the stdlib is)")
+    t.add_argument("--packages-from", help="[data] folder the packages are read from (a `pip install --target` "
+                   "folder pinning their versions; default: this Python's installed packages)")
+    t.add_argument("--tokenizer", help="[data] tokenizer.json to use instead of training one (keep a model's vocabulary)")
     t.add_argument("--draft-vocab-size", type=int, default=2048,
                    help="[draft-vocab] tokens to keep (the target's most frequent) for the drafter folder --out; "
                    "[dflash, eagle3] the draft vocabulary it trains its head on and drafts from (0: every token)")

@@ -1,15 +1,21 @@
-"""The training corpus: the running interpreter's standard-library Python source.
+"""The training corpus: the running interpreter's standard-library Python source, plus, if
+asked, the Python source of installed packages (more varied code than the stdlib alone).
 
-Files are listed in a fixed order; a file is held out when a hash of its relative path
-falls in the held-out share, so the split is stable across machines and runs.
+Files are listed in a fixed order; a file is held out when a hash of its corpus name (its
+path relative to the stdlib, or `<package>/<path in the package>`) falls in the held-out
+share, so the split is stable across machines and runs, and adding packages leaves the
+stdlib's split (the benchmark's held-out functions) as it was.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
+import importlib.util
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 from failfast.errors import FailfastError
 
@@ -22,10 +28,27 @@ class CorpusError(FailfastError):
 
 
 @dataclass(frozen=True)
+class Package:
+    """An installed package whose `.py` files join the corpus."""
+
+    name: str
+    version: str | None  # its distribution's version, if installed as one
+    root: Path
+
+
+@dataclass(frozen=True)
 class CorpusSplit:
     root: Path
     train: list[Path]
     held_out: list[Path]
+    packages: tuple[Package, ...] = field(default=())
+
+    def name(self, path: Path) -> str:
+        """A file's corpus name: its path under the stdlib root, or `<package>/<path>`."""
+        for package in self.packages:
+            if path.is_relative_to(package.root):
+                return f"{package.name}/{path.relative_to(package.root).as_posix()}"
+        return path.relative_to(self.root).as_posix()
 
 
 def is_held_out(relative: str) -> bool:
@@ -37,21 +60,47 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def split_corpus(root: Path | None = None) -> CorpusSplit:
-    """All `.py` files under root (default: the stdlib), split into train and held-out."""
+def find_package(name: str, where: Path | None = None) -> Package:
+    """A package by import name: its folder and its distribution's version, from `where` (a
+    `pip install --target` folder, so the recipe pins what it reads) or from this Python."""
+    if where is not None:
+        root = Path(where) / name
+        dists = list(importlib.metadata.distributions(name=name, path=[str(where)]))
+        version = dists[0].version if dists else None
+    else:
+        spec = importlib.util.find_spec(name)
+        root = Path(list(spec.submodule_search_locations)[0]) if spec and spec.submodule_search_locations else None
+        try:
+            version = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            version = None
+    if root is None or not root.is_dir():
+        raise CorpusError(f"package {name!r} is not installed {f'in {where}' if where else 'here'} "
+                          "(a corpus package must be a folder of modules)")
+    return Package(name, version, root)
+
+
+def _python_files(root: Path) -> list[Path]:
+    files = sorted(p for p in root.rglob("*.py") if not EXCLUDED_DIRS.intersection(p.relative_to(root).parts))
+    return [p for p in files if p.stat().st_size > 0]
+
+
+def split_corpus(root: Path | None = None, packages: Sequence[str] = (), packages_from: Path | None = None) -> CorpusSplit:
+    """All `.py` files under root (default: the stdlib) and under each named package (found in
+    `packages_from`, else installed here), split into train and held-out."""
     root = Path(root) if root is not None else stdlib_root()
     if not root.is_dir():
         raise CorpusError(f"corpus folder {root} does not exist")
-    files = sorted(p for p in root.rglob("*.py")
-                   if not EXCLUDED_DIRS.intersection(p.relative_to(root).parts))
-    files = [p for p in files if p.stat().st_size > 0]
+    found = tuple(find_package(name, packages_from) for name in packages)
+    split = CorpusSplit(root, [], [], found)
+    files = _python_files(root) + [p for package in found for p in _python_files(package.root)]
     if not files:
         raise CorpusError(f"corpus folder {root} holds no non-empty .py files")
-    train = [p for p in files if not is_held_out(p.relative_to(root).as_posix())]
-    held = [p for p in files if is_held_out(p.relative_to(root).as_posix())]
+    train = [p for p in files if not is_held_out(split.name(p))]
+    held = [p for p in files if is_held_out(split.name(p))]
     if not train:
         raise CorpusError(f"corpus folder {root} has no training files after the held-out split")
-    return CorpusSplit(root, train, held)
+    return CorpusSplit(root, train, held, found)
 
 
 def read_text(path: Path) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -29,11 +30,16 @@ def _encode_files(files: list[Path], tokenizer: Tokenizer, eos: int) -> np.ndarr
     return np.asarray(ids, dtype=np.uint16 if tokenizer.vocab_size <= 65536 else np.int32)
 
 
-def prepare_data(out: Path, corpus_root: Path | None = None, vocab_size: int = 8192) -> dict:
-    """Train the tokenizer, tokenise both splits and write a manifest naming held-out files."""
-    split: CorpusSplit = split_corpus(corpus_root)
+def prepare_data(out: Path, corpus_root: Path | None = None, vocab_size: int = 8192,
+                 packages: Sequence[str] = (), tokenizer_file: Path | None = None,
+                 packages_from: Path | None = None) -> dict:
+    """Tokenise both splits (the stdlib, or `corpus_root`, plus `packages`, from `packages_from`
+    or installed here) and write a manifest naming held-out files and the packages' versions.
+    The tokenizer is trained on the training split, or read from `tokenizer_file` (a model's
+    own: a model that continues training on more code keeps its vocabulary)."""
+    split: CorpusSplit = split_corpus(corpus_root, packages, packages_from)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(split.train, vocab_size)
+    tokenizer = load_tokenizer(tokenizer_file) if tokenizer_file else train_tokenizer(split.train, vocab_size)
     tokenizer.inner.save(str(out / TOKENIZER_FILE))
     eos, _ = special_ids(tokenizer)
     train, held = _encode_files(split.train, tokenizer, eos), _encode_files(split.held_out, tokenizer, eos)
@@ -45,7 +51,10 @@ def prepare_data(out: Path, corpus_root: Path | None = None, vocab_size: int = 8
         "train_tokens": int(train.size),
         "held_out_tokens": int(held.size),
         "vocab_size": tokenizer.vocab_size,
-        "held_out_files": [p.relative_to(split.root).as_posix() for p in split.held_out],
+        "packages": [{"name": p.name, "version": p.version,
+                      "files": sum(f.is_relative_to(p.root) for f in split.train + split.held_out)}
+                     for p in split.packages],
+        "held_out_files": [split.name(p) for p in split.held_out],
     }
     (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
