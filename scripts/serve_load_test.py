@@ -17,8 +17,6 @@ import asyncio
 import json
 import os
 import re
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,26 +26,7 @@ from pathlib import Path
 import httpx
 
 from failfast.bench.datasets import load_dataset
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ready(url: str, server: subprocess.Popen, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"the server exited with status {server.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit("the server did not come up")
+from failfast.serve.process import free_port, wait_healthy
 
 
 async def _load(url: str, model: str, prompts: list[str], clients: int, max_tokens: int) -> dict:
@@ -101,13 +80,13 @@ def main() -> None:
     prompts = [pool[i % len(pool)] for i in range(args.requests)]
     exe = [sys.executable, "-m", "failfast.cli"]
 
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([*exe, "serve", "--port", str(port), "--max-batch", str(args.max_batch),
                                "--max-queue", str(args.requests), "--threads", str(args.threads), *flags],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_ready(url, server)
+        wait_healthy(url, server, 120)
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         asyncio.run(_load(url, model, prompts[:args.clients], args.clients, 8))  # warm-up
         served = asyncio.run(_load(url, model, prompts, args.clients, args.max_tokens))

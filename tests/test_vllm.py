@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
@@ -20,6 +18,7 @@ from failfast import SpeculativeEngine, load_model  # noqa: E402
 from failfast.embedded import resolve_model  # noqa: E402
 from failfast.integrations.vllm import ProposerConfig  # noqa: E402
 from failfast.integrations.vllm_peers import VllmGenerator, speculative_config  # noqa: E402
+from failfast.serve.process import free_port, wait_healthy  # noqa: E402
 
 PROMPTS = ["def fib(n):\n", "import os\n\n\ndef list_files(path):\n    \"\"\"Return the files under path.\"\"\"\n",
            "class Stack:\n    def __init__(self):\n", "    for i in range(10):\n"]
@@ -44,28 +43,10 @@ def test_vllm_with_the_failfast_proposer_gives_plain_ar_tokens():
         vllm.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url: str, body: dict) -> dict:
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as response:
         return json.load(response)
-
-
-def _wait_healthy(url: str, server: subprocess.Popen, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        assert server.poll() is None, "the vLLM server exited during start-up"
-        try:
-            with urllib.request.urlopen(url, timeout=5):
-                return
-        except OSError:
-            time.sleep(1)
-    raise TimeoutError(f"vLLM's server was not healthy after {seconds:.0f} s")
 
 
 def test_vllm_openai_server_with_the_proposer_gives_plain_ar_tokens(tmp_path):
@@ -75,7 +56,7 @@ def test_vllm_openai_server_with_the_proposer_gives_plain_ar_tokens(tmp_path):
     target = load_model(resolve_model("target"), dtype=torch.float32)
     prompt = target.tokenizer.encode(PROMPTS[0])
     want = SpeculativeEngine(target).generate(prompt, MAX_NEW[0]).token_ids
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, **ProposerConfig(dtype="float32").to_env(), "VLLM_CPU_KVCACHE_SPACE": "1"}
     spec = json.dumps(speculative_config("vllm-failfast"))
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model("target")),
@@ -84,7 +65,7 @@ def test_vllm_openai_server_with_the_proposer_gives_plain_ar_tokens(tmp_path):
     with open(tmp_path / "server.log", "wb") as log:
         server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            _wait_healthy(f"http://127.0.0.1:{port}/health", server, 300)
+            wait_healthy(f"http://127.0.0.1:{port}", server, 300)
             reply = _post(f"http://127.0.0.1:{port}/v1/completions",
                           {"model": str(resolve_model("target")), "prompt": prompt, "max_tokens": MAX_NEW[0],
                            "temperature": 0, "return_token_ids": True})

@@ -44,11 +44,15 @@ class CorpusSplit:
     packages: tuple[Package, ...] = field(default=())
 
     def name(self, path: Path) -> str:
-        """A file's corpus name: its path under the stdlib root, or `<package>/<path>`."""
-        for package in self.packages:
-            if path.is_relative_to(package.root):
-                return f"{package.name}/{path.relative_to(package.root).as_posix()}"
-        return path.relative_to(self.root).as_posix()
+        return corpus_name(path, self.root, self.packages)
+
+
+def corpus_name(path: Path, root: Path, packages: Sequence[Package]) -> str:
+    """A file's corpus name: its path under the stdlib root, or `<package>/<path>`."""
+    for package in packages:
+        if path.is_relative_to(package.root):
+            return f"{package.name}/{path.relative_to(package.root).as_posix()}"
+    return path.relative_to(root).as_posix()
 
 
 def is_held_out(relative: str) -> bool:
@@ -92,12 +96,12 @@ def split_corpus(root: Path | None = None, packages: Sequence[str] = (), package
     if not root.is_dir():
         raise CorpusError(f"corpus folder {root} does not exist")
     found = tuple(find_package(name, packages_from) for name in packages)
-    split = CorpusSplit(root, [], [], found)
     files = _python_files(root) + [p for package in found for p in _python_files(package.root)]
     if not files:
         raise CorpusError(f"corpus folder {root} holds no non-empty .py files")
-    train = [p for p in files if not is_held_out(split.name(p))]
-    held = [p for p in files if is_held_out(split.name(p))]
+    held_out = {p: is_held_out(corpus_name(p, root, found)) for p in files}
+    train = [p for p in files if not held_out[p]]
+    held = [p for p in files if held_out[p]]
     if not train:
         raise CorpusError(f"corpus folder {root} has no training files after the held-out split")
     return CorpusSplit(root, train, held, found)
