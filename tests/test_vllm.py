@@ -15,9 +15,9 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed here; `make test-vllm` runs these tests in .venv-vllm")
 
 from failfast import SpeculativeEngine, load_model  # noqa: E402
-from failfast.embedded import resolve_model  # noqa: E402
+from failfast.embedded import DEFAULT_DRAFTER, resolve_model  # noqa: E402
 from failfast.integrations.vllm import ProposerConfig  # noqa: E402
-from failfast.integrations.vllm_peers import VllmGenerator, speculative_config  # noqa: E402
+from failfast.integrations.vllm_peers import VllmGenerator, proposer_config, speculative_config  # noqa: E402
 from failfast.serve.process import free_port, wait_healthy  # noqa: E402
 
 PROMPTS = ["def fib(n):\n", "import os\n\n\ndef list_files(path):\n    \"\"\"Return the files under path.\"\"\"\n",
@@ -30,8 +30,10 @@ def test_vllm_with_the_failfast_proposer_gives_plain_ar_tokens():
     prompts = [target.tokenizer.encode(p) for p in PROMPTS]
     plain = SpeculativeEngine(target)
     want = [plain.generate(p, n).token_ids for p, n in zip(prompts, MAX_NEW)]
-    vllm = VllmGenerator(resolve_model("target"), torch.float32, speculative_config("vllm-failfast"),
-                         ProposerConfig(dtype="float32"), max_model_len=512, max_num_seqs=2)
+    # ungated, so that every step drafts whatever this machine's timings would make a gate decide
+    vllm = VllmGenerator(resolve_model("target"), torch.float32, speculative_config("vllm-failfast-ungated"),
+                         proposer_config("vllm-failfast-ungated", DEFAULT_DRAFTER, torch.float32),
+                         max_model_len=512, max_num_seqs=2)
     try:
         done = vllm.generate(prompts, MAX_NEW)
         assert [c.token_ids for c in done] == want
@@ -57,7 +59,7 @@ def test_vllm_openai_server_with_the_proposer_gives_plain_ar_tokens(tmp_path):
     prompt = target.tokenizer.encode(PROMPTS[0])
     want = SpeculativeEngine(target).generate(prompt, MAX_NEW[0]).token_ids
     port = free_port()
-    env = {**os.environ, **ProposerConfig(dtype="float32").to_env(), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**os.environ, **ProposerConfig(dtype="float32", gate=False).to_env(), "VLLM_CPU_KVCACHE_SPACE": "1"}
     spec = json.dumps(speculative_config("vllm-failfast"))
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model("target")),
                "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--port", str(port),
