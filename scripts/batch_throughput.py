@@ -4,7 +4,7 @@ speculative method behind a speculation gate ("+gate": rounds skip drafting wher
 measure faster, decode/gate.py); `--bucketed` adds each method with verification forwards
 padded to a few shapes ("+buckets", what a GPU capturing its forwards needs; its cost on
 this machine); `--vllm` adds vLLM on the same weights (plain, ngram, our AR
-drafter as its draft model, our FailFast proposer; needs the vllm extra). vLLM gets the
+drafter as its draft model, our FailFast proposer with and without its gate; needs the vllm extra). vLLM gets the
 prompts in chunks of B (static batches; its engines hold up to the largest B), ours refill
 freed rows (continuous batching); with a fixed number of new tokens rows end together anyway.
 
@@ -25,9 +25,8 @@ from typing import Callable
 
 import torch
 
-from failfast import FailFast, Fixed, Pipeline, SpeculationGate, load_model, make_drafter
+from failfast import Fixed, Pipeline, SpeculationGate, drafter_failfast, load_model, make_drafter
 from failfast.bench.datasets import load_dataset
-from failfast.bench.methods import EAGLE3_CHUNK
 from failfast.embedded import resolve_model
 from failfast.decode.engine import GenerationRequest, SpeculativeEngine
 
@@ -44,19 +43,19 @@ def main() -> None:
     p.add_argument("--gated", action="store_true", help="add every speculative method behind a speculation gate")
     p.add_argument("--bucketed", action="store_true", help="add every method with bucketed (padded) verification shapes")
     p.add_argument("--vllm", action="store_true", help="add vLLM peers (vllm-ar, vllm-ngram, vllm-draft-model, "
-                                                      "vllm-failfast)")
+                                                      "vllm-failfast, vllm-failfast-ungated)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    pipe = Pipeline.load("target", "dllm-drafter", FailFast())
+    pipe = Pipeline.load("target", "dllm-drafter", drafter_failfast())
     dtype = pipe.target.model.dtype  # every drafter in the target's dtype, as `failfast generate` runs them
     ar_drafter = make_drafter(pipe.target, load_model(resolve_model("ar-drafter"), dtype=dtype))
     dflash = make_drafter(pipe.target, load_model(resolve_model("dflash-drafter"), dtype=dtype))
     eagle3 = make_drafter(pipe.target, load_model(resolve_model("eagle3-drafter"), dtype=dtype))
     engines = {"ar": SpeculativeEngine(pipe.target), "ar-fixed-4": SpeculativeEngine(pipe.target, ar_drafter, Fixed(4)),
                "failfast": pipe.engine,
-               "failfast-dflash": SpeculativeEngine(pipe.target, dflash, FailFast(chunk=dflash.tokens_per_pass)),
-               "failfast-eagle3": SpeculativeEngine(pipe.target, eagle3, FailFast(chunk=EAGLE3_CHUNK))}
+               "failfast-dflash": SpeculativeEngine(pipe.target, dflash, drafter_failfast()),
+               "failfast-eagle3": SpeculativeEngine(pipe.target, eagle3, drafter_failfast())}
     if args.gated:  # a fresh gate per method: it learns that method's rates
         engines |= {f"{name}+gate": SpeculativeEngine(e.target, e.drafter, e.policy, SpeculationGate())
                     for name, e in engines.items() if e.drafter is not None}
@@ -112,12 +111,12 @@ def _vllm_peers(dtype: torch.dtype, prompts: list[list[int]], max_new: int,
                 max_batch: int) -> dict[str, Callable[[int], tuple[list[list[int]], int]]]:
     """vLLM engines on the embedded target: B prompts per `generate` call; target forwards
     per row from vLLM's per-request acceptance counts."""
-    from failfast.integrations.vllm import ProposerConfig
-    from failfast.integrations.vllm_peers import VLLM_METHODS, VllmGenerator, speculative_config
+    from failfast.embedded import DEFAULT_DRAFTER
+    from failfast.integrations.vllm_peers import VLLM_METHODS, VllmGenerator, proposer_config, speculative_config
     peers = {}
     for name in VLLM_METHODS:
         generator = VllmGenerator(resolve_model("target"), dtype, speculative_config(name, resolve_model("ar-drafter")),
-                                  ProposerConfig(dtype=str(dtype).removeprefix("torch.")), max_num_seqs=max_batch)
+                                  proposer_config(name, DEFAULT_DRAFTER, dtype), max_num_seqs=max_batch)
         peers[name] = _chunked(generator, prompts, max_new)
     return peers
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from failfast import FailFast, SpeculativeEngine, load_model, make_drafter
+from failfast import SpeculativeEngine, drafter_failfast, load_model, make_drafter
 from failfast.bench.datasets import heldout_functions
 from failfast.embedded import MODELS_DIR
 from failfast.train.corpus import stdlib_root
@@ -68,7 +68,7 @@ def main() -> None:
     manifest = json.loads(manifest_path.read_text())
     target = load_model(args.models / "target")
     drafter = make_drafter(target, load_model(args.models / "dllm-drafter"))
-    plain, failfast = SpeculativeEngine(target), SpeculativeEngine(target, drafter, FailFast())
+    plain, failfast = SpeculativeEngine(target), SpeculativeEngine(target, drafter, drafter_failfast())
     prompts = heldout_functions(args.functions, manifest_path)
     tokens = rounds = 0
     repeat_shares = []

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from failfast import FailFast, SamplingParams, SpeculativeEngine, load_model, make_drafter
+from failfast import SamplingParams, SpeculativeEngine, load_model
 from failfast.batch_job import errors_path
 from failfast.cli import main
 from failfast.jsonl_results import JsonlResults

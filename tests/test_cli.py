@@ -6,10 +6,11 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
-from failfast import FailFast, SpeculativeEngine, load_model, make_drafter
-from failfast.cli import build_parser, main
+from failfast import FailFast, SpeculativeEngine, drafter_failfast, load_model, make_drafter
+from failfast.cli import _policy, build_parser, main
 
 
 def test_generate_json_matches_the_library(target_dir, capsys):
@@ -56,3 +57,21 @@ def test_the_speculation_gate_is_on_for_many_rows_and_off_for_one_prompt():
     assert not parser.parse_args([*batch, "--no-speculation-gate"]).speculation_gate
     assert not parser.parse_args(["generate", "--prompt", "x"]).speculation_gate
     assert parser.parse_args(["generate", "--prompt", "x", "--speculation-gate"]).speculation_gate
+
+
+@pytest.mark.parametrize("kind", ["random-dllm", "random-dflash", "random-eagle3", "random-ar"])
+def test_failfast_defaults_follow_the_drafter_kind(random_models, kind):
+    """`--tau` / `--chunk` left out: the drafter kind's measured settings; given: as given."""
+    target = load_model(random_models["target"], dtype=torch.float64)
+    loaded = load_model(random_models[kind], dtype=torch.float64)
+    drafter = make_drafter(target, loaded)
+    cfg = loaded.config
+    expected = {"random-dllm": lambda: (0.6, min(4, cfg.sub_block_size)),  # the likely head of a pass's sub-block
+                "random-dflash": lambda: (0.8, min(6, cfg.block_size - 1)),  # the likely head of a block
+                "random-eagle3": lambda: (0.7, 2),                           # a chain stops at the first unsure pair
+                "random-ar": lambda: (0.45, 8)}[kind]()
+    assert drafter_failfast()(target, drafter, [5, 6]) == FailFast(*expected)
+    assert drafter_failfast(tau=0.2, chunk=3, max_draft=9)(target, drafter, [5, 6]) == FailFast(0.2, 3, 9)
+    assert drafter_failfast(max_draft=1)(target, drafter, [5, 6]) == FailFast(expected[0], 1, 1)
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--drafter", str(random_models[kind])])
+    assert _policy(args)(target, drafter, [5, 6]) == FailFast(*expected)

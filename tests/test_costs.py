@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from failfast import PolicyError, load_model, make_drafter
 from failfast.decode.costs import VERIFY_POINTS, CostProfile, _interleaved_median_ms, measure_costs

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
-from failfast import FailFast, Fixed, SpeculativeEngine, load_model, make_drafter
+from failfast import FailFast, Fixed, SpeculativeEngine, drafter_failfast, load_model, make_drafter
 from failfast.cli import main
 from failfast.embedded import EMBEDDED, MODELS_DIR, resolve_model
 
@@ -28,9 +28,11 @@ def test_shipped_models_are_complete_16_bit_folders_under_64_mib():
     assert json.loads((MODELS_DIR / "corpus.json").read_text())["held_out_files"]
 
 
-@pytest.mark.parametrize("drafter_name, policy", [("dllm-drafter", FailFast()), ("dllm-drafter", Fixed(10)),
-                                                  ("ar-drafter", FailFast()), ("dflash-drafter", FailFast(chunk=15)),
-                                                  ("eagle3-drafter", FailFast(chunk=4))])
+@pytest.mark.parametrize("drafter_name, policy", [("dllm-drafter", FailFast()), ("dllm-drafter", drafter_failfast()),
+                                                  ("dllm-drafter", Fixed(10)), ("ar-drafter", FailFast()),
+                                                  ("dflash-drafter", FailFast(chunk=15)),
+                                                  ("dflash-drafter", drafter_failfast()),
+                                                  ("eagle3-drafter", drafter_failfast())])
 def test_embedded_models_are_lossless(drafter_name, policy):
     target = load_model(resolve_model("target"), dtype=torch.float64)
     drafter = load_model(resolve_model(drafter_name), dtype=torch.float64)

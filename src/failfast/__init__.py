@@ -8,13 +8,15 @@ from failfast.model import LoadedModel, load_model
 from failfast.pipeline import Pipeline
 from failfast.decode.costs import CostProfile, measure_costs
 from failfast.decode.gate import SpeculationGate
-from failfast.decode.policies import CostAware, FailFast, Fixed, Policy, PolicyFactory, cost_aware
+from failfast.decode.policies import (CostAware, FailFast, FailFastDefaults, Fixed, Policy, PolicyFactory, cost_aware,
+                                     drafter_failfast)
 from failfast.decode.stats import GenerationStats, RoundStats
 from failfast.decode.sampling import SamplingParams
 
 __all__ = [
     "ARDrafter", "BlockDiffusionDrafter", "CheckpointError", "DFlashDrafter", "CostAware", "CostProfile", "Drafter", "FailFast",
+    "FailFastDefaults",
     "FailfastError", "Fixed", "GenerationInputError", "GenerationRequest", "GenerationResult", "GenerationStats",
     "IncompatibleModelsError", "LoadedModel", "Pipeline", "Policy", "PolicyError", "PolicyFactory", "RoundStats",
-    "SamplingParams", "SpeculationGate", "SpeculativeEngine", "cost_aware", "load_model", "make_drafter", "measure_costs",
+    "SamplingParams", "SpeculationGate", "SpeculativeEngine", "cost_aware", "drafter_failfast", "load_model", "make_drafter", "measure_costs",
 ]

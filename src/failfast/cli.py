@@ -16,7 +16,7 @@ from failfast.errors import FailfastError, GenerationInputError
 from failfast.model.precision import DTYPES, resolve_dtype
 from failfast.pipeline import Pipeline
 from failfast.decode.gate import SpeculationGate
-from failfast.decode.policies import FailFast, Fixed, Policy, PolicyFactory, cost_aware
+from failfast.decode.policies import Fixed, Policy, PolicyFactory, cost_aware, drafter_failfast
 from failfast.decode.sampling import SamplingParams
 
 
@@ -44,7 +44,7 @@ def _policy(args: argparse.Namespace) -> Policy | PolicyFactory | None:
         return Fixed(args.k)
     if policy == "cost-aware":  # costs measured on the loaded models, after the first prompt
         return cost_aware(chunk=args.chunk, max_draft=args.max_draft)
-    return FailFast(tau=args.tau, chunk=args.chunk, max_draft=args.max_draft)
+    return drafter_failfast(tau=args.tau, chunk=args.chunk, max_draft=args.max_draft)
 
 
 def _prompt_ids(text: str) -> list[int]:
@@ -123,7 +123,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from failfast.bench.timing import interleaved_runs, median
     from failfast.decode.engine import SpeculativeEngine
 
-    pipe = Pipeline.load(DEFAULT_TARGET, DEFAULT_DRAFTER, FailFast())
+    pipe = Pipeline.load(DEFAULT_TARGET, DEFAULT_DRAFTER, drafter_failfast())
     prompt = pipe.encode(args.prompt)
     plain = SpeculativeEngine(pipe.target)
     times, outputs = interleaved_runs({
@@ -293,8 +293,10 @@ def _add_model_flags(g: argparse.ArgumentParser) -> None:
                    help="draft-length policy (default: failfast with a drafter, else plain ar); "
                         "cost-aware: FailFast's chunks, stopping by costs measured on this machine")
     g.add_argument("--k", type=int, default=5, help="draft length for --policy fixed")
-    g.add_argument("--tau", type=float, default=0.45, help="FailFast confidence threshold")
-    g.add_argument("--chunk", type=int, default=8, help="FailFast / cost-aware chunk N (default: the embedded drafter's sub-block)")
+    g.add_argument("--tau", type=float, help="FailFast confidence threshold (default: the drafter kind's, "
+                                             "0.45 for block diffusion; README, \"Choosing the drafting defaults\")")
+    g.add_argument("--chunk", type=int, help="FailFast / cost-aware chunk N (default: the drafter kind's: 8 for "
+                                             "block diffusion, its block for DFlash, 2 for EAGLE-3)")
     g.add_argument("--max-draft", type=int, default=60, help="FailFast / cost-aware maximum draft N_max")
     g.add_argument("--unmask-threshold", type=float, default=DEFAULT_UNMASK_THRESHOLD,
                    help="block-diffusion: unmask every position above this confidence per pass (0: one pass "

@@ -18,10 +18,10 @@ from failfast.drafters.block_diffusion import DEFAULT_DENOISE, DEFAULT_UNMASK_TH
 from failfast.bench.oracle import OracleDrafter
 from failfast.decode.engine import SpeculativeEngine
 from failfast.model import LoadedModel, load_model
-from failfast.decode.policies import FailFast, Fixed, Policy, PolicyFactory, cost_aware
+from failfast.decode.policies import FailFast, Fixed, Policy, PolicyFactory, cost_aware, drafter_failfast
 from failfast.decode.stats import GenerationStats
-from failfast.integrations.vllm import ProposerConfig
-from failfast.integrations.vllm_peers import VLLM_METHODS, VllmGenerator, speculative_config, vllm_available
+from failfast.integrations.vllm_peers import (VLLM_METHODS, VllmGenerator, proposer_config, speculative_config,
+                                              vllm_available)
 
 
 @dataclass
@@ -53,13 +53,15 @@ class MethodSpec:
 
 
 DFLASH_BLOCK = 16  # the shipped DFlash drafter's block
-EAGLE3_SWEEP = (3, 5, 8)  # fixed chain lengths swept for the `eagle3` baseline
-EAGLE3_BEST_K = 5         # the sweep's fastest on the embedded models (README, "Results")
-EAGLE3_CHUNK = 4          # FailFast over a chain: a chunk is drafted token by token, so short chunks stop soon
+EAGLE3_SWEEP = (3, 5, 8, 12)  # fixed chain lengths swept for the `eagle3` baseline
+EAGLE3_BEST_K = 8         # the sweep's fastest on the embedded models (README, "Results")
 
 
 def default_methods() -> list[MethodSpec]:
-    ff = FailFast()
+    # `failfast`, `failfast-dflash` and `failfast-eagle3` run FailFast with each drafter kind's
+    # measured tau and chunk N (policies.drafter_failfast; README, "Choosing the drafting
+    # defaults"); the variants change one setting of the block-diffusion drafter's (tau 0.6, N 4).
+    ff = FailFast(tau=0.6, chunk=4)
     return [
         MethodSpec("ar", "ar"),
         MethodSpec("hf-generate", "hf"),
@@ -67,17 +69,15 @@ def default_methods() -> list[MethodSpec]:
         MethodSpec("hf-assisted-heuristic", "hf-assisted", schedule="heuristic"),
         MethodSpec("ar-fixed-4", "ar-drafter", Fixed(4)),
         MethodSpec("ar-fixed-8", "ar-drafter", Fixed(8)),
-        MethodSpec("ar-dynamic", "ar-drafter", ff),
-        MethodSpec("dllm-fixed-5", "dllm-drafter", Fixed(5)),
-        MethodSpec("dllm-fixed-10", "dllm-drafter", Fixed(10)),
-        MethodSpec("dllm-fixed-20", "dllm-drafter", Fixed(20)),
-        MethodSpec("failfast", "dllm-drafter", ff),
-        MethodSpec("failfast-tau0.3", "dllm-drafter", FailFast(tau=0.3)),
-        MethodSpec("failfast-tau0.6", "dllm-drafter", FailFast(tau=0.6)),
-        MethodSpec("failfast-N5", "dllm-drafter", FailFast(chunk=5)),
-        MethodSpec("failfast-N10", "dllm-drafter", FailFast(chunk=10)),  # the paper's chunk
-        MethodSpec("failfast-N20", "dllm-drafter", FailFast(chunk=20)),
-        MethodSpec("failfast-Nmax30", "dllm-drafter", FailFast(max_draft=30)),
+        MethodSpec("ar-dynamic", "ar-drafter", drafter_failfast()),
+        *(MethodSpec(f"dllm-fixed-{k}", "dllm-drafter", Fixed(k)) for k in (3, 4, 5, 10, 20)),
+        MethodSpec("failfast", "dllm-drafter", drafter_failfast()),
+        MethodSpec("failfast-tau0.3", "dllm-drafter", FailFast(tau=0.3, chunk=4)),
+        MethodSpec("failfast-tau0.45", "dllm-drafter", FailFast(tau=0.45, chunk=4)),  # the paper's threshold
+        MethodSpec("failfast-tau0.8", "dllm-drafter", FailFast(tau=0.8, chunk=4)),
+        *(MethodSpec(f"failfast-N{n}", "dllm-drafter", FailFast(tau=0.6, chunk=n)) for n in (2, 8, 10, 20)),
+        MethodSpec("failfast-paper", "dllm-drafter", FailFast(tau=0.45, chunk=10)),  # tau and N of the paper
+        MethodSpec("failfast-Nmax30", "dllm-drafter", FailFast(tau=0.6, chunk=4, max_draft=30)),
         MethodSpec("failfast-u0.3", "dllm-drafter", ff, unmask_threshold=0.3),
         MethodSpec("failfast-u0.05", "dllm-drafter", ff, unmask_threshold=0.05),  # the paper's threshold
         MethodSpec("failfast-u0.9", "dllm-drafter", ff, unmask_threshold=0.9),  # several passes per sub-block
@@ -89,14 +89,20 @@ def default_methods() -> list[MethodSpec]:
         MethodSpec("failfast-cost", "dllm-drafter", cost_aware()),  # costs measured on the first prompt
         MethodSpec("failfast-full-vocab", "dllm-drafter", ff, full_vocab=True),
         MethodSpec("ar-fixed-4-full-vocab", "ar-drafter", Fixed(4), full_vocab=True),
-        # DFlash: one 16-position block drafts 15 tokens; FailFast extends a confident block a block per pass
+        # DFlash: one pass drafts a block (15 tokens after the last committed one); Fixed(K) keeps
+        # K of them (`dflash-fixed-16`: the whole block); FailFast extends a confident draft
+        *(MethodSpec(f"dflash-fixed-{k}", "dflash-drafter", Fixed(k)) for k in (4, 6, 8)),
         MethodSpec("dflash-fixed-16", "dflash-drafter", Fixed(DFLASH_BLOCK - 1)),
-        MethodSpec("failfast-dflash", "dflash-drafter", FailFast(chunk=DFLASH_BLOCK - 1, max_draft=60)),
-        MethodSpec("failfast-dflash-cost", "dflash-drafter", cost_aware(chunk=DFLASH_BLOCK - 1)),
+        MethodSpec("failfast-dflash", "dflash-drafter", drafter_failfast()),
+        MethodSpec("failfast-dflash-block", "dflash-drafter", FailFast(chunk=DFLASH_BLOCK - 1)),  # a block per chunk
+        MethodSpec("failfast-dflash-cost", "dflash-drafter", cost_aware()),
         # EAGLE-3: a chain of one token per pass; its best fixed length by the README's sweep
         *(MethodSpec(f"eagle3-fixed-{k}", "eagle3-drafter", Fixed(k)) for k in EAGLE3_SWEEP),
         MethodSpec("eagle3", "eagle3-drafter", Fixed(EAGLE3_BEST_K)),
-        MethodSpec("failfast-eagle3", "eagle3-drafter", FailFast(chunk=EAGLE3_CHUNK)),
+        MethodSpec("failfast-eagle3", "eagle3-drafter", drafter_failfast()),
+        *(MethodSpec(f"failfast-eagle3-N{n}", "eagle3-drafter", FailFast(tau=0.7, chunk=n)) for n in (1, 4)),
+        *(MethodSpec(f"failfast-eagle3-tau{t}", "eagle3-drafter", FailFast(tau=t, chunk=2)) for t in (0.45, 0.8)),
+        MethodSpec("failfast-eagle3-cost", "eagle3-drafter", cost_aware()),
         MethodSpec("oracle", "oracle", Fixed(60)),
         # vLLM on the same weights, when installed (the vllm extra): plain, its own speculative
         # methods, and our proposer inside it (integrations/vllm_peers.py)
@@ -148,13 +154,12 @@ class MethodFactory:
 
     def _vllm_runner(self, method: str) -> Runner:
         """A vLLM engine per peer method, on the target's folder and dtype; `vllm-draft-model`
-        drafts with the AR drafter, `vllm-failfast` with the block-diffusion drafter."""
+        drafts with the AR drafter, `vllm-failfast[-ungated]` with the block-diffusion drafter."""
         if method not in self._vllm:
-            drafter_dtype = str(self.dtype).removeprefix("torch.")
             self._vllm[method] = VllmGenerator(
                 resolve_model(self.paths["target"]), self.dtype,
                 speculative_config(method, resolve_model(self.paths["ar"])),
-                ProposerConfig(drafter=str(resolve_model(self.paths["dllm"])), dtype=drafter_dtype))
+                proposer_config(method, str(resolve_model(self.paths["dllm"])), self.dtype))
         generator = self._vllm[method]
 
         def run(prompt: list[int], max_new: int, reference: list[int]) -> MethodOutput:

@@ -94,6 +94,31 @@ class FailFast(StatelessRounds):
 
 
 @dataclass(frozen=True)
+class FailFastDefaults:
+    """A drafter kind's FailFast settings, chosen by measurement (README, "Choosing the
+    drafting defaults"): a chain drafter stops best on short chunks and a high threshold, a
+    block drafter on its block."""
+
+    tau: float = 0.45
+    chunk: int = 8
+
+
+def drafter_defaults(drafter: "Drafter") -> FailFastDefaults:
+    """The drafter's own FailFast settings (`failfast_defaults`), else the block-diffusion ones."""
+    return getattr(drafter, "failfast_defaults", FailFastDefaults())
+
+
+def drafter_failfast(tau: float | None = None, chunk: int | None = None, max_draft: int = 60) -> PolicyFactory:
+    """FailFast with the drafter's defaults for tau and chunk N where they are not given
+    (the default chunk is capped at `max_draft`)."""
+    def build(target: "LoadedModel", drafter: "Drafter", prompt_ids: list[int]) -> Policy:
+        defaults = drafter_defaults(drafter)
+        return FailFast(defaults.tau if tau is None else tau,
+                        min(defaults.chunk, max_draft) if chunk is None else chunk, max_draft)
+    return build
+
+
+@dataclass(frozen=True)
 class CostAware:
     """FailFast's chunked loop with a measured stop rule, for machines where long drafts are
     not free to verify (CPUs).
@@ -165,8 +190,10 @@ class CostAware:
         return more if self._rate(m + more, expected[-1] + gain, m + more) > now else 0
 
 
-def cost_aware(chunk: int = 8, max_draft: int = 60) -> PolicyFactory:
-    """CostAware with costs measured on the loaded models after the first request's prompt."""
+def cost_aware(chunk: int | None = None, max_draft: int = 60) -> PolicyFactory:
+    """CostAware with costs measured on the loaded models after the first request's prompt;
+    chunk N defaults to the drafter's FailFast chunk (capped at `max_draft`)."""
     def build(target: "LoadedModel", drafter: "Drafter", prompt_ids: list[int]) -> Policy:
-        return CostAware(measure_costs(target, drafter, prompt_ids), chunk=chunk, max_draft=max_draft)
+        n = min(drafter_defaults(drafter).chunk, max_draft) if chunk is None else chunk
+        return CostAware(measure_costs(target, drafter, prompt_ids), chunk=n, max_draft=max_draft)
     return build

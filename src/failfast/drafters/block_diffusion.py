@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from failfast.decode.policies import FailFastDefaults
 from failfast.drafters.base import ModelDrafter, common_prefix_len
 from failfast.errors import IncompatibleModelsError, PolicyError
 from failfast.model import LoadedModel
@@ -82,6 +83,9 @@ class BlockDiffusionDrafter(ModelDrafter):
         self.mask_id = cfg.mask_token_id
         self.block_size = cfg.block_size
         self.sub_block_size = sub
+        # half a sub-block per chunk: a pass drafts 8, only the likely head is verified, and
+        # a confident chunk takes the rest without another pass (README, "Choosing the drafting defaults")
+        self.failfast_defaults = FailFastDefaults(tau=0.6, chunk=min(4, sub))
         self.unmask_threshold = unmask_threshold
         self.denoise = denoise
         self.boundary: Tensor | None = None  # logits at cache.length - 1: predicts the next block's first token

@@ -17,6 +17,7 @@ from typing import Sequence
 from torch import Tensor
 
 
+from failfast.decode.policies import FailFastDefaults
 from failfast.drafters.target_features import TargetFeatureDrafter
 from failfast.errors import GenerationInputError, IncompatibleModelsError
 from failfast.model import LoadedModel
@@ -47,6 +48,9 @@ class DFlashDrafter(TargetFeatureDrafter):
         self.mask_id = cfg.mask_token_id
         self.block_size = cfg.block_size
         self.tokens_per_pass = cfg.block_size - 1  # of a round's first pass
+        # verify what is likely accepted: 6 of a block's 15, more while confident (README,
+        # "Choosing the drafting defaults")
+        self.failfast_defaults = FailFastDefaults(tau=0.8, chunk=min(6, self.tokens_per_pass))
         self.max_passes = max_passes
 
     def prepare(self, total_len: int, cache: KVCache | None = None) -> None:

@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from failfast.decode.policies import FailFastDefaults
 from failfast.drafters.base import ChainDrafter
 from failfast.drafters.target_features import TargetFeatureDrafter
 from failfast.errors import GenerationInputError, IncompatibleModelsError
@@ -31,6 +32,8 @@ class Eagle3Drafter(ChainDrafter, TargetFeatureDrafter):
     """
 
     batchable = True
+    # one token per pass: stop at the first unsure pair (README, "Choosing the drafting defaults")
+    failfast_defaults = FailFastDefaults(tau=0.7, chunk=2)
 
     def __init__(self, loaded: LoadedModel, target: LoadedModel, vocab_limit: int,
                  draft_vocab: Sequence[int] | None = None) -> None:
