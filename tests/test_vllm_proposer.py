@@ -122,3 +122,13 @@ def test_feature_drafters_are_refused_with_a_reason(random_models):
     with pytest.raises(IncompatibleModelsError, match="hidden states"):
         FailFastProposer(_vllm_config(random_models["target"], 8),
                          ProposerConfig(drafter=str(random_models["random-dflash"]), dtype="float64"))
+
+
+def test_the_policy_takes_the_drafter_kinds_defaults_unless_set(random_models):
+    """tau and chunk left out: the drafter kind's FailFast settings, chunk capped by N_max."""
+    target, dllm = random_models["target"], str(random_models["random-dllm"])
+    cfg = load_model(random_models["random-dllm"]).config
+    proposer = FailFastProposer(_vllm_config(target, 16), ProposerConfig(drafter=dllm, dtype="float64"))
+    assert proposer.policy == FailFast(0.6, min(4, cfg.sub_block_size), 16)
+    proposer = FailFastProposer(_vllm_config(target, 2), ProposerConfig(drafter=dllm, tau=0.2, dtype="float64"))
+    assert proposer.policy == FailFast(0.2, 2, 2)
