@@ -171,6 +171,14 @@ $(RUNS)/data-packages/manifest.json: $(RUNS)/corpus-packages/.installed $(RUNS)/
 	$(TRAIN) data --out $(RUNS)/data-packages --tokenizer $(RUNS)/data/tokenizer.json --packages-from $(RUNS)/corpus-packages \
 		--packages $(subst $(space),$(comma),$(foreach p,$(CORPUS_PACKAGES),$(firstword $(subst ==, ,$(p)))))
 
+# The next target (item 4 of the same issue): target-v2 continued for one epoch of that corpus
+# (5860 steps x 16 x 256 = 24.0M tokens), in pieces across sessions: it resumes from runs/ or
+# from its committed resume point (training/target-v3). Not in `models` until it is finished and
+# its drafters are retrained on its own self-distillation rows.
+TARGET_V3_FLAGS := --steps 5860 --lr 1e-3 --warmup 50 --save-every 50 --data $(RUNS)/data-packages --batch-size 16 --seq-len 256 --resume
+$(RUNS)/target-v3/training.json: $(RUNS)/target-v2/training.json $(RUNS)/data-packages/manifest.json
+	$(TRAIN) ar --init $(RUNS)/target-v2 --out $(RUNS)/target-v3 $(TARGET_V3_FLAGS) $(call RESUME_POINT,target-v3)
+
 # ... continued for 1400 steps (2026-12-06, 1 thread with native bf16, 68.6 min, ~1,440 tok/s; run
 # from the shipped 16-bit copy): held-out tokens per target forward, Fixed(5) 3.41 -> 4.11.
 $(RUNS)/eagle3-drafter-v2/training.json: $(RUNS)/eagle3-drafter/training.json
