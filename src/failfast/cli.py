@@ -293,10 +293,11 @@ def _add_model_flags(g: argparse.ArgumentParser) -> None:
                    help="draft-length policy (default: failfast with a drafter, else plain ar); "
                         "cost-aware: FailFast's chunks, stopping by costs measured on this machine")
     g.add_argument("--k", type=int, default=5, help="draft length for --policy fixed")
-    g.add_argument("--tau", type=float, help="FailFast confidence threshold (default: the drafter kind's, "
-                                             "0.45 for block diffusion; README, \"Choosing the drafting defaults\")")
-    g.add_argument("--chunk", type=int, help="FailFast / cost-aware chunk N (default: the drafter kind's: 8 for "
-                                             "block diffusion, its block for DFlash, 2 for EAGLE-3)")
+    g.add_argument("--tau", type=float, help="FailFast confidence threshold (default: the drafter kind's: 0.6 "
+                                             "block diffusion, 0.8 DFlash, 0.7 EAGLE-3, 0.45 AR; README, "
+                                             "\"Choosing the drafting defaults\")")
+    g.add_argument("--chunk", type=int, help="FailFast / cost-aware chunk N (default: the drafter kind's: 4 block "
+                                             "diffusion, 6 DFlash, 2 EAGLE-3, 8 AR)")
     g.add_argument("--max-draft", type=int, default=60, help="FailFast / cost-aware maximum draft N_max")
     g.add_argument("--unmask-threshold", type=float, default=DEFAULT_UNMASK_THRESHOLD,
                    help="block-diffusion: unmask every position above this confidence per pass (0: one pass "
