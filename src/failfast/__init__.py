@@ -9,7 +9,7 @@ from failfast.pipeline import Pipeline
 from failfast.decode.costs import CostProfile, measure_costs
 from failfast.decode.gate import SpeculationGate
 from failfast.decode.policies import (CostAware, FailFast, FailFastDefaults, Fixed, Policy, PolicyFactory, cost_aware,
-                                     drafter_failfast)
+                                     drafter_failfast, failfast_for)
 from failfast.decode.stats import GenerationStats, RoundStats
 from failfast.decode.sampling import SamplingParams
 
@@ -18,5 +18,5 @@ __all__ = [
     "FailFastDefaults",
     "FailfastError", "Fixed", "GenerationInputError", "GenerationRequest", "GenerationResult", "GenerationStats",
     "IncompatibleModelsError", "LoadedModel", "Pipeline", "Policy", "PolicyError", "PolicyFactory", "RoundStats",
-    "SamplingParams", "SpeculationGate", "SpeculativeEngine", "cost_aware", "drafter_failfast", "load_model", "make_drafter", "measure_costs",
+    "SamplingParams", "SpeculationGate", "SpeculativeEngine", "cost_aware", "drafter_failfast", "failfast_for", "load_model", "make_drafter", "measure_costs",
 ]

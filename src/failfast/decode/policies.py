@@ -96,25 +96,32 @@ class FailFast(StatelessRounds):
 @dataclass(frozen=True)
 class FailFastDefaults:
     """A drafter kind's FailFast settings, chosen by measurement (README, "Choosing the
-    drafting defaults"): a chain drafter stops best on short chunks and a high threshold, a
-    block drafter on its block."""
+    drafting defaults"): where every verified token costs, a draft should stop at its first
+    unsure tokens, so the tuned kinds use a high threshold and a short chunk."""
 
     tau: float = 0.45
     chunk: int = 8
 
 
 def drafter_defaults(drafter: "Drafter") -> FailFastDefaults:
-    """The drafter's own FailFast settings (`failfast_defaults`), else the block-diffusion ones."""
+    """The drafter's own FailFast settings (`failfast_defaults`), else the paper's tau 0.45
+    with chunk 8 (AR drafters)."""
     return getattr(drafter, "failfast_defaults", FailFastDefaults())
 
 
+def failfast_for(drafter: "Drafter", tau: float | None = None, chunk: int | None = None,
+                 max_draft: int = 60) -> FailFast:
+    """FailFast with the drafter's defaults where tau or chunk N is not given (the default
+    chunk is capped at `max_draft`)."""
+    defaults = drafter_defaults(drafter)
+    return FailFast(defaults.tau if tau is None else tau,
+                    min(defaults.chunk, max_draft) if chunk is None else chunk, max_draft)
+
+
 def drafter_failfast(tau: float | None = None, chunk: int | None = None, max_draft: int = 60) -> PolicyFactory:
-    """FailFast with the drafter's defaults for tau and chunk N where they are not given
-    (the default chunk is capped at `max_draft`)."""
+    """`failfast_for` as a policy factory: the engine builds it with its drafter."""
     def build(target: "LoadedModel", drafter: "Drafter", prompt_ids: list[int]) -> Policy:
-        defaults = drafter_defaults(drafter)
-        return FailFast(defaults.tau if tau is None else tau,
-                        min(defaults.chunk, max_draft) if chunk is None else chunk, max_draft)
+        return failfast_for(drafter, tau, chunk, max_draft)
     return build
 
 

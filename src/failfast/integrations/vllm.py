@@ -35,7 +35,7 @@ import torch
 
 from failfast.decode.drafting import draft_alone, draft_together
 from failfast.decode.gate import SpeculationGate
-from failfast.decode.policies import FailFast, drafter_defaults
+from failfast.decode.policies import failfast_for
 from failfast.drafters import Drafter, make_drafter
 from failfast.drafters.block_diffusion import DEFAULT_DENOISE, DEFAULT_UNMASK_THRESHOLD
 from failfast.embedded import DEFAULT_DRAFTER, resolve_model
@@ -59,7 +59,7 @@ class ProposerConfig:
     """
 
     drafter: str = DEFAULT_DRAFTER
-    tau: float | None = None   # None: the drafter kind's (policies.drafter_defaults)
+    tau: float | None = None   # None: the drafter kind's (policies.failfast_for)
     chunk: int | None = None
     dtype: str = "auto"
     unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD
@@ -111,10 +111,8 @@ class FailFastProposer:
         target = describe_model(vllm_config.model_config.model)
         loaded = load_model(resolve_model(self.config.drafter), dtype=resolve_dtype(self.config.dtype))
         self.drafter = make_drafter(target, loaded, self.config.unmask_threshold, self.config.denoise)
-        defaults = drafter_defaults(self.drafter)
-        tau = defaults.tau if self.config.tau is None else self.config.tau
-        chunk = defaults.chunk if self.config.chunk is None else self.config.chunk
-        self.policy = FailFast(tau, min(chunk, self.max_draft), self.max_draft)
+        chunk = None if self.config.chunk is None else min(self.config.chunk, self.max_draft)
+        self.policy = failfast_for(self.drafter, self.config.tau, chunk, self.max_draft)
         self.batched = self.config.batched and getattr(self.drafter, "batchable", False)
         self.rows: list[Drafter] = []
         self.shared: KVCache | None = None
