@@ -40,6 +40,14 @@ def test_a_probe_that_turns_out_faster_takes_over():
     assert _run(gate, 4, {True: 300, False: 200}, 5) == [False, False, True, True, True]
 
 
+def test_a_probe_replaces_a_stale_average_from_slow_first_rounds():
+    """The engine's first rounds are slow whatever their kind: a speculative warm-up there must
+    not keep drafting measured slow once a probe sees it faster (smoothing stays for the leader)."""
+    gate = SpeculationGate(warmup=1, probe_every=2, smoothing=0.2, sample_rows=1)
+    _run(gate, 1, {True: 10, False: 200}, 2)  # a cold speculative warm-up, then a warm plain one
+    assert _run(gate, 1, {True: 300, False: 200}, 5) == [False, False, True, True, True]
+
+
 def test_buckets_are_powers_of_two():
     assert [batch_bucket(n) for n in (0, 1, 2, 3, 4, 7, 8, 63, 64)] == [1, 1, 2, 2, 4, 4, 8, 32, 64]
 

@@ -57,8 +57,8 @@ class SpeculationGate:
     kind (speculative first), then runs the kind with the higher average rate, and one sample
     of the other kind (a probe) after `probe_every` samples. A probe is slow, so each probe that
     leaves the leader in place doubles the wait before the next one, up to `max_probe_every`;
-    a probe that changes the leader resets it. `smoothing` is the weight of the newest sample
-    in each average.
+    a probe that changes the leader resets it. A probe's rate replaces its kind's stale average;
+    `smoothing` is the weight of the newest sample in the leader's average.
     """
 
     warmup: int = 2
@@ -109,8 +109,11 @@ class SpeculationGate:
         bucket.since_probe = 0 if warming or probe else bucket.since_probe + 1
         arm = bucket.arms[sample.speculated]
         rate = sample.tokens / max(sample.seconds, 1e-9)
-        # a warm-up sample replaces the average (the first rounds of a new shape pay one-off costs)
-        arm.rate = rate if arm.samples < self.warmup else (1 - self.smoothing) * arm.rate + self.smoothing * rate
+        # A warm-up sample replaces the average (the first rounds of a new shape pay one-off
+        # costs), and so does a probe: the average it would smooth is as old as the previous
+        # probe, possibly from the first, slow rounds of the engine (docs/design.md).
+        fresh = arm.samples < self.warmup or probe
+        arm.rate = rate if fresh else (1 - self.smoothing) * arm.rate + self.smoothing * rate
         arm.samples += 1
         if probe:
             kept = leader == (bucket.arms[True].rate >= bucket.arms[False].rate)
