@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from failfast import Fixed, Pipeline, SpeculationGate, drafter_failfast, load_model, make_drafter
+from failfast import Fixed, Pipeline, SpeculationGate, failfast_for, load_model, make_drafter
 from failfast.bench.datasets import load_dataset
 from failfast.embedded import resolve_model
 from failfast.decode.engine import GenerationRequest, SpeculativeEngine
@@ -47,15 +47,16 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    pipe = Pipeline.load("target", "dllm-drafter", drafter_failfast())
+    pipe = Pipeline.load("target")
     dtype = pipe.target.model.dtype  # every drafter in the target's dtype, as `failfast generate` runs them
-    ar_drafter = make_drafter(pipe.target, load_model(resolve_model("ar-drafter"), dtype=dtype))
-    dflash = make_drafter(pipe.target, load_model(resolve_model("dflash-drafter"), dtype=dtype))
-    eagle3 = make_drafter(pipe.target, load_model(resolve_model("eagle3-drafter"), dtype=dtype))
-    engines = {"ar": SpeculativeEngine(pipe.target), "ar-fixed-4": SpeculativeEngine(pipe.target, ar_drafter, Fixed(4)),
-               "failfast": pipe.engine,
-               "failfast-dflash": SpeculativeEngine(pipe.target, dflash, drafter_failfast()),
-               "failfast-eagle3": SpeculativeEngine(pipe.target, eagle3, drafter_failfast())}
+    ar_drafter, dllm, dflash, eagle3 = (make_drafter(pipe.target, load_model(resolve_model(name), dtype=dtype))
+                                        for name in ("ar-drafter", "dllm-drafter", "dflash-drafter", "eagle3-drafter"))
+    # FailFast with each drafter kind's defaults, as policies (not factories) that the gated
+    # and bucketed copies below can share
+    engines = {"ar": pipe.engine, "ar-fixed-4": SpeculativeEngine(pipe.target, ar_drafter, Fixed(4)),
+               "failfast": SpeculativeEngine(pipe.target, dllm, failfast_for(dllm)),
+               "failfast-dflash": SpeculativeEngine(pipe.target, dflash, failfast_for(dflash)),
+               "failfast-eagle3": SpeculativeEngine(pipe.target, eagle3, failfast_for(eagle3))}
     if args.gated:  # a fresh gate per method: it learns that method's rates
         engines |= {f"{name}+gate": SpeculativeEngine(e.target, e.drafter, e.policy, SpeculationGate())
                     for name, e in engines.items() if e.drafter is not None}

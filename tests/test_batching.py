@@ -277,3 +277,20 @@ def test_bucketed_shapes_keep_every_row(random_models, monkeypatch, drafter_name
     assert shapes and all(n == token_bucket(n) and w == token_bucket(w) and keys == key_bucket(keys, cap)
                           for n, w, keys, cap in shapes)
     assert len({n for n, *_ in shapes}) < len(shapes) / 4  # few shapes for many rounds
+
+
+def test_the_batch_throughput_script_runs_every_kind_of_engine():
+    """scripts/batch_throughput.py as a user runs it (smoke size): gated and bucketed copies of
+    the FailFast engines, every row identical to its B = 1 run and to plain AR."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "scripts" / "batch_throughput.py"
+    proc = subprocess.run([sys.executable, str(script), "--prompts", "2", "--max-new-tokens", "6", "--batch-sizes", "1,2",
+                           "--repeats", "1", "--gated", "--bucketed",
+                           "--methods", "failfast+gate,failfast-dflash+buckets,failfast-eagle3"],
+                          capture_output=True, text=True, check=False, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split("|") for line in proc.stdout.splitlines() if line.startswith("| ") and "x |" in line]
+    assert {r[1].strip() for r in rows} == {"ar", "failfast+gate", "failfast-dflash+buckets", "failfast-eagle3"}
+    assert len(rows) == 8 and all(r[-3].strip() == r[-2].strip() == "0" for r in rows)  # no row differs
