@@ -109,13 +109,17 @@ def drafter_defaults(drafter: "Drafter") -> FailFastDefaults:
     return getattr(drafter, "failfast_defaults", FailFastDefaults())
 
 
+def _chunk_for(drafter: "Drafter", chunk: int | None, max_draft: int) -> int:
+    """`chunk`, or the drafter's default chunk capped at `max_draft`."""
+    return min(drafter_defaults(drafter).chunk, max_draft) if chunk is None else chunk
+
+
 def failfast_for(drafter: "Drafter", tau: float | None = None, chunk: int | None = None,
                  max_draft: int = 60) -> FailFast:
     """FailFast with the drafter's defaults where tau or chunk N is not given (the default
     chunk is capped at `max_draft`)."""
-    defaults = drafter_defaults(drafter)
-    return FailFast(defaults.tau if tau is None else tau,
-                    min(defaults.chunk, max_draft) if chunk is None else chunk, max_draft)
+    return FailFast(drafter_defaults(drafter).tau if tau is None else tau, _chunk_for(drafter, chunk, max_draft),
+                    max_draft)
 
 
 def drafter_failfast(tau: float | None = None, chunk: int | None = None, max_draft: int = 60) -> PolicyFactory:
@@ -201,6 +205,6 @@ def cost_aware(chunk: int | None = None, max_draft: int = 60) -> PolicyFactory:
     """CostAware with costs measured on the loaded models after the first request's prompt;
     chunk N defaults to the drafter's FailFast chunk (capped at `max_draft`)."""
     def build(target: "LoadedModel", drafter: "Drafter", prompt_ids: list[int]) -> Policy:
-        n = min(drafter_defaults(drafter).chunk, max_draft) if chunk is None else chunk
-        return CostAware(measure_costs(target, drafter, prompt_ids), chunk=n, max_draft=max_draft)
+        return CostAware(measure_costs(target, drafter, prompt_ids), chunk=_chunk_for(drafter, chunk, max_draft),
+                         max_draft=max_draft)
     return build

@@ -22,7 +22,8 @@ from failfast.integrations.vllm import ProposerConfig
 
 # Peer name -> what it asks vLLM for ("failfast": our proposer through the custom-class hook).
 # "vllm-failfast" drafts behind its speculation gate (the proposer's default), "-ungated" in every step.
-VLLM_METHODS = ("vllm-ar", "vllm-ngram", "vllm-draft-model", "vllm-failfast", "vllm-failfast-ungated")
+PROPOSER_METHODS = ("vllm-failfast", "vllm-failfast-ungated")
+VLLM_METHODS = ("vllm-ar", "vllm-ngram", "vllm-draft-model", *PROPOSER_METHODS)
 DRAFT_MODEL_K = 4   # vLLM's draft-model method with our AR drafter: the bench's ar-fixed-4
 NGRAM_K = 4
 FAILFAST_N_MAX = 32  # num_speculative_tokens for our proposer: FailFast's N_max inside vLLM
@@ -44,14 +45,14 @@ def speculative_config(method: str, ar_drafter: Path | None = None) -> dict[str,
         if ar_drafter is None:
             raise GenerationInputError("vllm-draft-model needs the AR drafter's folder")
         return {"method": "draft_model", "model": str(ar_drafter), "num_speculative_tokens": DRAFT_MODEL_K}
-    if method in ("vllm-failfast", "vllm-failfast-ungated"):
+    if method in PROPOSER_METHODS:
         return {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": FAILFAST_N_MAX}
     raise GenerationInputError(f"unknown vLLM method {method!r} (choose from {', '.join(VLLM_METHODS)})")
 
 
 def proposer_config(method: str, drafter: str, dtype: torch.dtype) -> ProposerConfig | None:
     """Our proposer's settings for a peer method that uses it (None for vLLM's own methods)."""
-    if method not in ("vllm-failfast", "vllm-failfast-ungated"):
+    if method not in PROPOSER_METHODS:
         return None
     return ProposerConfig(drafter=drafter, dtype=str(dtype).removeprefix("torch."), gate=method == "vllm-failfast")
 
