@@ -1,10 +1,12 @@
-"""Throughput of the batch regime: plain AR, the AR drafter (Fixed 4), FailFast, and FailFast
-over the DFlash and EAGLE-3 drafters at several batch sizes, same prompts; `--gated` adds each
+"""Throughput of the batch regime: plain AR, the AR drafter (Fixed 4), FailFast, FailFast
+over the DFlash and EAGLE-3 drafters, prompt lookup alone (Fixed 8) and in front of the
+block-diffusion and EAGLE-3 drafters at several batch sizes, same prompts; `--gated` adds each
 speculative method behind a speculation gate ("+gate": rounds skip drafting where plain rounds
 measure faster, decode/gate.py); `--bucketed` adds each method with verification forwards
 padded to a few shapes ("+buckets", what a GPU capturing its forwards needs; its cost on
 this machine); `--vllm` adds vLLM on the same weights (plain, ngram, our AR
-drafter as its draft model, our FailFast proposer with and without its gate; needs the vllm extra). vLLM gets the
+drafter as its draft model, our FailFast proposer with and without its gate, and gated with prompt
+lookup; needs the vllm extra). vLLM gets the
 prompts in chunks of B (static batches; its engines hold up to the largest B), ours refill
 freed rows (continuous batching); with a fixed number of new tokens rows end together anyway.
 
@@ -25,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from failfast import Fixed, Pipeline, SpeculationGate, failfast_for, load_model, make_drafter
+from failfast import Fixed, LookupDrafter, LookupSettings, Pipeline, SpeculationGate, failfast_for, load_model, make_drafter
 from failfast.bench.datasets import load_dataset
 from failfast.embedded import resolve_model
 from failfast.decode.engine import GenerationRequest, SpeculativeEngine
@@ -43,7 +45,7 @@ def main() -> None:
     p.add_argument("--gated", action="store_true", help="add every speculative method behind a speculation gate")
     p.add_argument("--bucketed", action="store_true", help="add every method with bucketed (padded) verification shapes")
     p.add_argument("--vllm", action="store_true", help="add vLLM peers (vllm-ar, vllm-ngram, vllm-draft-model, "
-                                                      "vllm-failfast, vllm-failfast-ungated)")
+                                                      "vllm-failfast, vllm-failfast-ungated, vllm-failfast-lookup)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -56,7 +58,10 @@ def main() -> None:
     engines = {"ar": pipe.engine, "ar-fixed-4": SpeculativeEngine(pipe.target, ar_drafter, Fixed(4)),
                "failfast": SpeculativeEngine(pipe.target, dllm, failfast_for(dllm)),
                "failfast-dflash": SpeculativeEngine(pipe.target, dflash, failfast_for(dflash)),
-               "failfast-eagle3": SpeculativeEngine(pipe.target, eagle3, failfast_for(eagle3))}
+               "failfast-eagle3": SpeculativeEngine(pipe.target, eagle3, failfast_for(eagle3)),
+               "lookup": SpeculativeEngine(pipe.target, LookupDrafter(None), Fixed(LookupSettings().max_tokens))}
+    engines |= {f"{name}-lookup": SpeculativeEngine(pipe.target, LookupDrafter(engines[name].drafter),
+                                                    engines[name].policy) for name in ("failfast", "failfast-eagle3")}
     if args.gated:  # a fresh gate per method: it learns that method's rates
         engines |= {f"{name}+gate": SpeculativeEngine(e.target, e.drafter, e.policy, SpeculationGate())
                     for name, e in engines.items() if e.drafter is not None}

@@ -288,9 +288,10 @@ def test_the_batch_throughput_script_runs_every_kind_of_engine():
     script = Path(__file__).resolve().parents[1] / "scripts" / "batch_throughput.py"
     proc = subprocess.run([sys.executable, str(script), "--prompts", "2", "--max-new-tokens", "6", "--batch-sizes", "1,2",
                            "--repeats", "1", "--gated", "--bucketed",
-                           "--methods", "failfast+gate,failfast-dflash+buckets,failfast-eagle3"],
+                           "--methods", "failfast+gate,failfast-dflash+buckets,failfast-eagle3,failfast-lookup"],
                           capture_output=True, text=True, check=False, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line.split("|") for line in proc.stdout.splitlines() if line.startswith("| ") and "x |" in line]
-    assert {r[1].strip() for r in rows} == {"ar", "failfast+gate", "failfast-dflash+buckets", "failfast-eagle3"}
-    assert len(rows) == 8 and all(r[-3].strip() == r[-2].strip() == "0" for r in rows)  # no row differs
+    assert {r[1].strip() for r in rows} == {"ar", "failfast+gate", "failfast-dflash+buckets", "failfast-eagle3",
+                                            "failfast-lookup"}
+    assert len(rows) == 10 and all(r[-3].strip() == r[-2].strip() == "0" for r in rows)  # no row differs

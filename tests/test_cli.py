@@ -75,3 +75,21 @@ def test_failfast_defaults_follow_the_drafter_kind(random_models, kind):
     assert drafter_failfast(max_draft=1)(target, drafter, [5, 6]) == FailFast(expected[0], 1, 1)
     args = build_parser().parse_args(["generate", "--prompt", "x", "--drafter", str(random_models[kind])])
     assert _policy(args)(target, drafter, [5, 6]) == FailFast(*expected)
+
+
+@pytest.mark.parametrize("with_drafter", [True, False])
+def test_lookup_from_the_cli_copies_and_stays_lossless(random_models, capsys, with_drafter):
+    """--lookup in front of a drafter, or alone on a target without one: the target's tokens,
+    and drafts where the prompt repeats itself."""
+    target_dir = random_models["target"]
+    prompt = [5, 6, 7, 8, 9] * 4
+    drafter = ["--drafter", str(random_models["random-dllm"])] if with_drafter else []
+    code = main(["generate", "--target", str(target_dir), *drafter, "--lookup", "--lookup-tokens", "5",
+                 "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "20", "--dtype", "float64", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    plain = SpeculativeEngine(load_model(target_dir, dtype=torch.float64)).generate(prompt, 20)
+    assert out["token_ids"] == plain.token_ids
+    assert out["stats"]["drafted"] > 0
+    if not with_drafter:
+        assert out["stats"]["drafter_forwards"] == 0  # copies only

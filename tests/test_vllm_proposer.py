@@ -13,6 +13,7 @@ import torch
 from failfast import FailFast, load_model, make_drafter
 from failfast.decode.drafting import draft_alone
 from failfast.decode.gate import SpeculationGate
+from failfast.drafters.lookup import LookupDrafter, LookupSettings
 from failfast.errors import GenerationInputError, IncompatibleModelsError
 from failfast.integrations.vllm import CONFIG_ENV, FailFastProposer, ProposerConfig
 from tests.helpers import prompt_of
@@ -34,10 +35,13 @@ def _table(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     return table, np.array([len(ids) for ids in rows], dtype=np.int32)
 
 
-def _expected(target_dir, drafter_dir, policy, committed: list[int], budget: int) -> list[int]:
-    """What a fresh failfast drafter drafts after `committed`."""
+def _expected(target_dir, drafter_dir, policy, committed: list[int], budget: int,
+              lookup_tokens: int | None = None) -> list[int]:
+    """What a fresh failfast drafter (behind prompt lookup, with `lookup_tokens`) drafts after `committed`."""
     target = load_model(target_dir, dtype=torch.float64)
     drafter = make_drafter(target, load_model(drafter_dir, dtype=torch.float64))
+    if lookup_tokens is not None:
+        drafter = LookupDrafter(drafter, LookupSettings(max_tokens=lookup_tokens))
     drafter.prepare(MAX_LEN)
     return draft_alone(drafter, policy, committed, budget)[0]
 
@@ -47,9 +51,9 @@ def _step(proposer, rows: list[list[int]], sampled: list[list[int]]) -> list[lis
     return proposer.propose(sampled, counts, table, slot_mappings=None)
 
 
-@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("batched,lookup", [(True, None), (False, None), (True, 6)])
 @pytest.mark.parametrize("pair", ["trained_pair", "random_ar"])
-def test_rows_draft_what_failfast_drafts_as_requests_come_and_go(request, pair, batched):
+def test_rows_draft_what_failfast_drafts_as_requests_come_and_go(request, pair, batched, lookup):
     if pair == "random_ar":
         models = request.getfixturevalue("random_models")
         target_dir, drafter_dir = models["target"], models["random-ar"]
@@ -61,8 +65,8 @@ def test_rows_draft_what_failfast_drafts_as_requests_come_and_go(request, pair, 
     policy = FailFast(0.3, 8, k)
     proposer = FailFastProposer(_vllm_config(target_dir, k),
                                 ProposerConfig(drafter=str(drafter_dir), tau=0.3, chunk=8, dtype="float64", batched=batched,
-                                               gate=False))
-    want = lambda ids, budget=k: _expected(target_dir, drafter_dir, policy, ids, budget)  # noqa: E731
+                                               gate=False, lookup_tokens=lookup))
+    want = lambda ids, budget=k: _expected(target_dir, drafter_dir, policy, ids, budget, lookup)  # noqa: E731
 
     # step 1: two requests just prefilled (one sampled token each); a third still prefilling
     drafts = _step(proposer, [a, b, c[:2]], [[a[-1]], [b[-1]], []])
@@ -80,6 +84,8 @@ def test_rows_draft_what_failfast_drafts_as_requests_come_and_go(request, pair, 
     drafts = _step(proposer, [c + [1], a2 + [2], long], [[1], [2], [long[-1]]])
     assert drafts == [want(c + [1]), want(a2 + [2]), want(long, 4)]
     assert len(drafts[2]) <= 4
+    if lookup:
+        assert proposer.rows[2].copied > 0  # the repeated row drafted copies
 
 
 def test_the_gate_turns_whole_steps_plain(trained_pair):

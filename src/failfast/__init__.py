@@ -1,6 +1,7 @@
 """failfast: lossless speculative decoding with a block-diffusion drafter and dynamic draft length."""
 
 from failfast.drafters import ARDrafter, BlockDiffusionDrafter, DFlashDrafter, Drafter, make_drafter
+from failfast.drafters.lookup import LookupDrafter, LookupSettings
 from failfast.decode.engine import GenerationRequest, GenerationResult, SpeculativeEngine
 from failfast.errors import (CheckpointError, FailfastError, GenerationInputError,
                              IncompatibleModelsError, PolicyError)
@@ -17,6 +18,6 @@ __all__ = [
     "ARDrafter", "BlockDiffusionDrafter", "CheckpointError", "DFlashDrafter", "CostAware", "CostProfile", "Drafter", "FailFast",
     "FailFastDefaults",
     "FailfastError", "Fixed", "GenerationInputError", "GenerationRequest", "GenerationResult", "GenerationStats",
-    "IncompatibleModelsError", "LoadedModel", "Pipeline", "Policy", "PolicyError", "PolicyFactory", "RoundStats",
+    "IncompatibleModelsError", "LoadedModel", "LookupDrafter", "LookupSettings", "Pipeline", "Policy", "PolicyError", "PolicyFactory", "RoundStats",
     "SamplingParams", "SpeculationGate", "SpeculativeEngine", "cost_aware", "drafter_failfast", "failfast_for", "load_model", "make_drafter", "measure_costs",
 ]

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from failfast.drafters.block_diffusion import DEFAULT_DENOISE, DEFAULT_UNMASK_THRESHOLD, DENOISE_MODES
+from failfast.drafters.lookup import LookupSettings
 from failfast.embedded import DEFAULT_DRAFTER, DEFAULT_TARGET, EMBEDDED
 from failfast.errors import FailfastError, GenerationInputError
 from failfast.model.precision import DTYPES, resolve_dtype
@@ -35,16 +36,21 @@ def _apply_model_defaults(args: argparse.Namespace) -> None:
 
 
 def _policy(args: argparse.Namespace) -> Policy | PolicyFactory | None:
-    policy = args.policy or ("failfast" if args.drafter else "ar")
+    policy = args.policy or ("failfast" if args.drafter or args.lookup else "ar")
     if policy == "ar":
         return None
-    if args.drafter is None:
-        raise GenerationInputError(f"--policy {policy} needs --drafter")
+    if args.drafter is None and not args.lookup:
+        raise GenerationInputError(f"--policy {policy} needs --drafter or --lookup")
     if policy == "fixed":
         return Fixed(args.k)
     if policy == "cost-aware":  # costs measured on the loaded models, after the first prompt
         return cost_aware(chunk=args.chunk, max_draft=args.max_draft)
     return drafter_failfast(tau=args.tau, chunk=args.chunk, max_draft=args.max_draft)
+
+
+def _lookup(args: argparse.Namespace) -> LookupSettings:
+    return LookupSettings(min_ngram=args.lookup_min_ngram, max_ngram=max(LookupSettings().max_ngram, args.lookup_min_ngram),
+                          max_tokens=args.lookup_tokens)
 
 
 def _prompt_ids(text: str) -> list[int]:
@@ -62,6 +68,7 @@ def _load_pipeline(args: argparse.Namespace) -> Pipeline:
                          unmask_threshold=args.unmask_threshold, denoise=args.denoise, sub_block_size=args.sub_block,
                          full_vocab=args.full_draft_vocab,
                          gate=SpeculationGate() if args.speculation_gate and policy else None,
+                         lookup=_lookup(args) if args.lookup and policy else None,
                          dtype=resolve_dtype(args.dtype, args.device),
                          drafter_dtype=DTYPES[args.drafter_dtype] if args.drafter_dtype else None, device=args.device)
 
@@ -306,6 +313,13 @@ def _add_model_flags(g: argparse.ArgumentParser) -> None:
                    help="block-diffusion pass: prefix (the active sub-block against cached K/V of what precedes "
                         "it; default), sub-block (Fast-dLLM v2's block cache) or full-block (exact)")
     g.add_argument("--sub-block", type=int, help="block-diffusion sub-block size (default: the drafter's config)")
+    g.add_argument("--lookup", action="store_true",
+                   help="prompt lookup: draft a copy of what followed the last tokens' earlier occurrence first, "
+                        "then the drafter's tokens (alone without --drafter; README, \"Prompt lookup\")")
+    g.add_argument("--lookup-tokens", type=int, default=LookupSettings().max_tokens,
+                   help="most tokens copied per round with --lookup")
+    g.add_argument("--lookup-min-ngram", type=int, default=LookupSettings().min_ngram,
+                   help="shortest match (in tokens) that --lookup copies after; 2 leaves more rounds to the drafter")
     g.add_argument("--full-draft-vocab", action="store_true",
                    help="ignore the drafter's draft_vocab.json (its output head over every token)")
     g.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",

@@ -10,6 +10,7 @@ import torch
 
 from failfast.drafters.block_diffusion import DEFAULT_DENOISE, DEFAULT_UNMASK_THRESHOLD
 from failfast.drafters.factory import make_drafter
+from failfast.drafters.lookup import LookupDrafter, LookupSettings
 from failfast.embedded import resolve_model
 from failfast.decode.engine import GenerationResult, SpeculativeEngine
 from failfast.decode.gate import SpeculationGate
@@ -35,18 +36,24 @@ class Pipeline:
     def load(cls, target: str | Path, drafter: str | Path | None = None, policy: Policy | PolicyFactory | None = None, *,
              unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD, denoise: str = DEFAULT_DENOISE, sub_block_size: int | None = None,
              dtype: torch.dtype | None = None, drafter_dtype: torch.dtype | None = None,
-             device: str = "cpu", full_vocab: bool = False, gate: SpeculationGate | None = None) -> "Pipeline":
+             device: str = "cpu", full_vocab: bool = False, gate: SpeculationGate | None = None,
+             lookup: LookupSettings | None = None) -> "Pipeline":
         """`drafter_dtype` (default: `dtype`), `full_vocab` (ignore the drafter's draft
-        vocabulary) and `gate` (skip drafting in rounds where plain rounds measure faster)
-        never change the output, only the cost."""
+        vocabulary), `gate` (skip drafting in rounds where plain rounds measure faster) and
+        `lookup` (draft copies of earlier text first; alone when there is no drafter) never
+        change the output, only the cost."""
         dtype = dtype or default_dtype(device)  # bfloat16 where it is fastest, else float32 (model/precision.py)
         tgt = load_model(resolve_model(target), dtype=dtype, device=device)
-        if drafter is None:
+        if drafter is None and lookup is None:
             return cls(tgt, SpeculativeEngine(tgt))
         if policy is None:
             raise GenerationInputError("a drafter needs a policy (Fixed, FailFast or policies.cost_aware())")
-        drafter_model = load_model(resolve_model(drafter), dtype=drafter_dtype or dtype, device=device)
-        drf = make_drafter(tgt, drafter_model, unmask_threshold, denoise, sub_block_size, full_vocab)
+        drf = None
+        if drafter is not None:
+            drafter_model = load_model(resolve_model(drafter), dtype=drafter_dtype or dtype, device=device)
+            drf = make_drafter(tgt, drafter_model, unmask_threshold, denoise, sub_block_size, full_vocab)
+        if lookup is not None:
+            drf = LookupDrafter(drf, lookup)
         return cls(tgt, SpeculativeEngine(tgt, drf, policy, gate))
 
     def encode(self, text: str) -> list[int]:

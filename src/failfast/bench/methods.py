@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from failfast.drafters import Drafter, make_drafter
+from failfast.drafters.lookup import LookupDrafter, LookupSettings
 from failfast.embedded import resolve_model
 from failfast.drafters.block_diffusion import DEFAULT_DENOISE, DEFAULT_UNMASK_THRESHOLD
 from failfast.bench.oracle import OracleDrafter
@@ -36,7 +37,7 @@ Runner = Callable[[list[int], int, list[int]], MethodOutput]
 @dataclass(frozen=True)
 class MethodSpec:
     name: str
-    kind: str                      # ar | hf | hf-assisted | vllm | {ar,dllm,dflash,eagle3}-drafter | oracle
+    kind: str                      # ar | hf | hf-assisted | vllm | {ar,dllm,dflash,eagle3}-drafter | lookup | oracle
     policy: Policy | PolicyFactory | None = None
     unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD
     denoise: str = DEFAULT_DENOISE  # block-diffusion pass: prefix, sub-block (block cache) or full-block
@@ -44,6 +45,7 @@ class MethodSpec:
     schedule: str | None = None    # transformers assisted generation schedule
     drafter_dtype: torch.dtype | None = None  # None: the target's dtype
     full_vocab: bool = False       # ignore the drafter's draft_vocab.json (the head over every token)
+    lookup: LookupSettings | None = None  # prompt lookup in front of the drafter (kind "lookup": alone)
 
     @property
     def is_peer(self) -> bool:
@@ -55,6 +57,7 @@ class MethodSpec:
 DFLASH_BLOCK = 16  # the shipped DFlash drafter's block
 EAGLE3_SWEEP = (3, 5, 8, 12)  # fixed chain lengths swept for the `eagle3` baseline
 EAGLE3_BEST_K = 8         # the sweep's fastest on the embedded models (README, "Results")
+LOOKUP_KINDS = (("", "dllm"), ("-dflash", "dflash"), ("-eagle3", "eagle3"))  # method infix, drafter kind
 
 
 def default_methods() -> list[MethodSpec]:
@@ -103,6 +106,16 @@ def default_methods() -> list[MethodSpec]:
         *(MethodSpec(f"failfast-eagle3-N{n}", "eagle3-drafter", FailFast(tau=0.7, chunk=n)) for n in (1, 4)),
         *(MethodSpec(f"failfast-eagle3-tau{t}", "eagle3-drafter", FailFast(tau=t, chunk=2)) for t in (0.45, 0.8)),
         MethodSpec("failfast-eagle3-cost", "eagle3-drafter", cost_aware()),
+        # prompt lookup: copies of earlier text, alone (vLLM's ngram) and in front of each drafter
+        # kind (the rounds without a copy use the drafter); -n2 needs a match of two tokens or more
+        *(MethodSpec(f"lookup-fixed-{k}", "lookup", Fixed(k), lookup=LookupSettings(max_tokens=k)) for k in (4, 8, 16)),
+        MethodSpec("lookup-n2", "lookup", Fixed(8), lookup=LookupSettings(min_ngram=2)),
+        *(MethodSpec(f"failfast{kind}-lookup", f"{drafter}-drafter", drafter_failfast(), lookup=LookupSettings())
+          for kind, drafter in LOOKUP_KINDS),
+        *(MethodSpec(f"failfast{kind}-lookup-n2", f"{drafter}-drafter", drafter_failfast(),
+                     lookup=LookupSettings(min_ngram=2)) for kind, drafter in LOOKUP_KINDS),
+        *(MethodSpec(f"failfast-lookup-{k}", "dllm-drafter", drafter_failfast(), lookup=LookupSettings(max_tokens=k))
+          for k in (4, 16)),
         MethodSpec("oracle", "oracle", Fixed(60)),
         # vLLM on the same weights, when installed (the vllm extra): plain, its own speculative
         # methods, and our proposer inside it (integrations/vllm_peers.py)
@@ -184,8 +197,10 @@ class MethodFactory:
                 result = oracle.generate(prompt, max_new)
                 return MethodOutput(result.token_ids, result.stats)
             return run_oracle
-        elif spec.kind != "ar":
+        elif spec.kind not in ("ar", "lookup"):
             raise ValueError(f"unknown method kind {spec.kind!r}")
+        if spec.lookup is not None:
+            drafter = LookupDrafter(drafter, spec.lookup)
         engine = SpeculativeEngine(self.target, drafter, spec.policy)
 
         def run(prompt: list[int], max_new: int, reference: list[int]) -> MethodOutput:

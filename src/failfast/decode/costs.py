@@ -66,6 +66,9 @@ def measure_costs(target: LoadedModel, drafter: Drafter, prompt_ids: list[int], 
     draft after it in steady state (the warm-up fills the drafter's cache with the prompt,
     as earlier rounds of a generation do). A block drafter that drafts `tokens_per_pass` at
     once is timed on one pass (a second pass for one more token would double the estimate)."""
+    # behind prompt lookup, time the model drafter: copies cost nothing, and the first prompt
+    # may hold none or many of them
+    drafter = getattr(drafter, "inner", None) or drafter
     draft_tokens = getattr(drafter, "tokens_per_pass", draft_tokens)
     model = target.model
     n = len(prompt_ids)

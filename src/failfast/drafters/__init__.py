@@ -1,4 +1,5 @@
-"""Drafters: autoregressive, block-diffusion and DFlash (target-conditioned), behind one `Drafter` protocol."""
+"""Drafters: autoregressive, block-diffusion, DFlash and EAGLE-3 (target-conditioned), and prompt
+lookup in front of any of them, behind one `Drafter` protocol."""
 
 from failfast.drafters.autoregressive import ARDrafter
 from failfast.drafters.base import Drafter

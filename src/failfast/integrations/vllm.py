@@ -38,6 +38,7 @@ from failfast.decode.gate import SpeculationGate
 from failfast.decode.policies import failfast_for
 from failfast.drafters import Drafter, make_drafter
 from failfast.drafters.block_diffusion import DEFAULT_DENOISE, DEFAULT_UNMASK_THRESHOLD
+from failfast.drafters.lookup import LookupDrafter, LookupSettings
 from failfast.embedded import DEFAULT_DRAFTER, resolve_model
 from failfast.errors import GenerationInputError
 from failfast.model import KVCache, describe_model, load_model
@@ -55,7 +56,9 @@ class ProposerConfig:
     ("auto": bfloat16 where it is fast). `batched`: draft every row of a step together in one
     forward per pass (same drafts as one row at a time). `gate`: skip drafting in steps where
     plain steps measure faster (decode/gate.py; the rate of a step is the tokens vLLM
-    committed in it over the time from one `propose` call to the next).
+    committed in it over the time from one `propose` call to the next). `lookup_tokens`:
+    prompt lookup in front of the drafter, copying up to this many tokens (None: off;
+    docs/design.md, "Prompt lookup").
     """
 
     drafter: str = DEFAULT_DRAFTER
@@ -66,6 +69,7 @@ class ProposerConfig:
     denoise: str = DEFAULT_DENOISE
     batched: bool = True
     gate: bool = True
+    lookup_tokens: int | None = None
 
     @classmethod
     def from_env(cls) -> "ProposerConfig":
@@ -111,6 +115,8 @@ class FailFastProposer:
         target = describe_model(vllm_config.model_config.model)
         loaded = load_model(resolve_model(self.config.drafter), dtype=resolve_dtype(self.config.dtype))
         self.drafter = make_drafter(target, loaded, self.config.unmask_threshold, self.config.denoise)
+        if self.config.lookup_tokens is not None:
+            self.drafter = LookupDrafter(self.drafter, LookupSettings(max_tokens=self.config.lookup_tokens))
         chunk = None if self.config.chunk is None else min(self.config.chunk, self.max_draft)
         self.policy = failfast_for(self.drafter, self.config.tau, chunk, self.max_draft)
         self.batched = self.config.batched and getattr(self.drafter, "batchable", False)

@@ -18,11 +18,13 @@ import torch
 
 from failfast.decode.stats import GenerationStats
 from failfast.errors import GenerationInputError
+from failfast.drafters.lookup import LookupSettings
 from failfast.integrations.vllm import ProposerConfig
 
 # Peer name -> what it asks vLLM for ("failfast": our proposer through the custom-class hook).
-# "vllm-failfast" drafts behind its speculation gate (the proposer's default), "-ungated" in every step.
-PROPOSER_METHODS = ("vllm-failfast", "vllm-failfast-ungated")
+# "vllm-failfast" drafts behind its speculation gate (the proposer's default), "-ungated" in every step,
+# "-lookup" behind the gate with prompt lookup in front of the drafter.
+PROPOSER_METHODS = ("vllm-failfast", "vllm-failfast-ungated", "vllm-failfast-lookup")
 VLLM_METHODS = ("vllm-ar", "vllm-ngram", "vllm-draft-model", *PROPOSER_METHODS)
 DRAFT_MODEL_K = 4   # vLLM's draft-model method with our AR drafter: the bench's ar-fixed-4
 NGRAM_K = 4
@@ -54,7 +56,8 @@ def proposer_config(method: str, drafter: str, dtype: torch.dtype) -> ProposerCo
     """Our proposer's settings for a peer method that uses it (None for vLLM's own methods)."""
     if method not in PROPOSER_METHODS:
         return None
-    return ProposerConfig(drafter=drafter, dtype=str(dtype).removeprefix("torch."), gate=method == "vllm-failfast")
+    return ProposerConfig(drafter=drafter, dtype=str(dtype).removeprefix("torch."), gate=method != "vllm-failfast-ungated",
+                          lookup_tokens=LookupSettings().max_tokens if method == "vllm-failfast-lookup" else None)
 
 
 @dataclass(frozen=True)
