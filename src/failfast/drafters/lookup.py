@@ -19,7 +19,7 @@ from failfast.drafters.base import Drafter
 from failfast.errors import PolicyError
 from failfast.model.kv_cache import KVCache
 
-COPY_CONFIDENCE = 1.0  # a copied token is not predicted: the policy keeps drafting past it
+COPY_CONFIDENCE = 1.0  # a copied token is not predicted: the policy asks for the whole copy
 
 
 @dataclass(frozen=True)
@@ -136,11 +136,12 @@ class LookupDrafter:
         if self._drafts_with_inner:
             self.inner.begin(committed)  # type: ignore[union-attr]
 
-    def _take_copy(self, count: int) -> list[int]:
+    def _take_copy(self, count: int) -> tuple[list[int], list[float]]:
+        """The copy's next `count` tokens (fewer at its end) and their confidences."""
         tokens = self._copy[self._served:self._served + count]
         self._served += len(tokens)
         self.copied += len(tokens)
-        return tokens
+        return tokens, [COPY_CONFIDENCE] * len(tokens)
 
     @property
     def _drafts_with_inner(self) -> bool:
@@ -150,8 +151,7 @@ class LookupDrafter:
     def draft(self, count: int) -> tuple[list[int], list[float]]:
         if self._drafts_with_inner:
             return self.inner.draft(count)  # type: ignore[union-attr]
-        tokens = self._take_copy(count)
-        return tokens, [COPY_CONFIDENCE] * len(tokens)
+        return self._take_copy(count)
 
     @staticmethod
     def draft_rows(drafters: list["LookupDrafter"], wants: dict[int, int],
@@ -165,8 +165,7 @@ class LookupDrafter:
             if d._drafts_with_inner:
                 inner_wants[slot] = count
             else:
-                tokens = d._take_copy(count)
-                out[slot] = (tokens, [COPY_CONFIDENCE] * len(tokens))
+                out[slot] = d._take_copy(count)
         if inner_wants:
             inners = [d.inner for d in drafters]
             for slot, drafted in type(inners[next(iter(inner_wants))]).draft_rows(inners, inner_wants, shared).items():
