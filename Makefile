@@ -187,7 +187,7 @@ $(RUNS)/target-v3/training.json: $(RUNS)/target-v2/training.json $(RUNS)/data-pa
 $(RUNS)/eagle3-drafter-v2/training.json: $(RUNS)/eagle3-drafter/training.json
 	$(TRAIN) eagle3 --target $(RUNS)/target-v2 --init $(RUNS)/eagle3-drafter --rows $(RUNS)/selfdistill --out $(RUNS)/eagle3-drafter-v2 $(EAGLE3_V2_FLAGS) --draft-vocab-size $(DRAFT_VOCAB) $(COMMON)
 
-# A third EAGLE-3 pass (in progress, not in `models`): 2000 more steps from the shipped copy,
+# A third EAGLE-3 pass (in progress, not in `models`; step 1050 of 2000 committed): 2000 more steps from the shipped copy,
 # seed 2, peak lr 5e-4; resumes from runs/ or its committed resume point.
 EAGLE3_V3_FLAGS := --steps 2000 --lr 5e-4 --warmup 50 --save-every 50 --seed 2
 $(RUNS)/eagle3-drafter-v3/training.json: $(RUNS)/eagle3-drafter-v2/training.json
