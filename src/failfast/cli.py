@@ -314,8 +314,9 @@ def _add_model_flags(g: argparse.ArgumentParser) -> None:
                         "it; default), sub-block (Fast-dLLM v2's block cache) or full-block (exact)")
     g.add_argument("--sub-block", type=int, help="block-diffusion sub-block size (default: the drafter's config)")
     g.add_argument("--lookup", action="store_true",
-                   help="prompt lookup: draft a copy of what followed the last tokens' earlier occurrence first, "
-                        "then the drafter's tokens (alone without --drafter; README, \"Prompt lookup\")")
+                   help="prompt lookup: a round drafts a copy of what followed the last tokens' earlier "
+                        "occurrence; rounds with nothing to copy use the drafter (alone without --drafter; "
+                        "README, \"Prompt lookup\")")
     g.add_argument("--lookup-tokens", type=int, default=LookupSettings().max_tokens,
                    help="most tokens copied per round with --lookup")
     g.add_argument("--lookup-min-ngram", type=int, default=LookupSettings().min_ngram,
