@@ -10,8 +10,10 @@ from failfast.bench.datasets import Prompt, jsonl_prompts, load_dataset
 from failfast.bench.methods import MethodFactory, MethodOutput, MethodSpec, default_methods
 from failfast.bench.runner import LosslessError, run_bench
 from failfast.cli import main
-from failfast.errors import FailfastError
-from failfast.decode.policies import Fixed
+from failfast.decode.policies import FailFast, Fixed
+from failfast.decode.sampling import SamplingParams
+from failfast.drafters.lookup import LookupSettings
+from failfast.errors import FailfastError, GenerationInputError
 from tests.helpers import copy_checkpoint, write_word_tokenizer
 
 
@@ -49,6 +51,23 @@ def test_a_method_with_different_tokens_fails_the_bench(word_models):
     results = run_bench(factory, specs[:2] + peer, prompts, max_new_tokens=12, repeats=1)
     assert results[0].outputs["broken"].token_ids != results[0].outputs["ar"].token_ids
     assert results[0].outputs["dllm-fixed-3"].token_ids == results[0].outputs["ar"].token_ids
+
+
+def test_a_sampled_bench_checks_every_method_against_sampled_plain_ar(word_models):
+    """Seeded sampling is reproduced token for token, so the identity check holds at a
+    temperature too (and still catches a broken method); peers decode greedily only."""
+    paths = {"ar": word_models["random-ar"], "dllm": word_models["random-dllm"]}
+    sampled = CorruptingFactory(word_models["target"], paths, sampling=SamplingParams(temperature=1.0, seed=3))
+    specs = [MethodSpec("ar", "ar"), MethodSpec("dllm-fixed-3", "dllm-drafter", Fixed(3)),
+             MethodSpec("lookup-ff", "dllm-drafter", FailFast(tau=0.0, chunk=3), lookup=LookupSettings())]
+    prompts = [Prompt("p0", "<5> <6> <7> <5> <6>")]
+    results = run_bench(sampled, specs, prompts, max_new_tokens=16, repeats=1)
+    greedy = run_bench(MethodFactory(word_models["target"], paths), specs[:1], prompts, max_new_tokens=16, repeats=1)
+    assert results[0].outputs["ar"].token_ids != greedy[0].outputs["ar"].token_ids
+    with pytest.raises(LosslessError, match="'broken'"):
+        run_bench(sampled, specs[:1] + [MethodSpec("broken", "dllm-drafter", Fixed(3))], prompts, 16, 1)
+    with pytest.raises(GenerationInputError, match="greedily only"):
+        sampled.runner(MethodSpec("hf", "hf"))
 
 
 def test_jsonl_dataset(tmp_path):

@@ -77,13 +77,14 @@ def test_failfast_defaults_follow_the_drafter_kind(random_models, kind):
     assert _policy(args)(target, drafter, [5, 6]) == FailFast(*expected)
 
 
-@pytest.mark.parametrize("with_drafter", [True, False])
-def test_lookup_from_the_cli_copies_and_stays_lossless(random_models, capsys, with_drafter):
-    """--lookup in front of a drafter, or alone on a target without one: the target's tokens,
-    and drafts where the prompt repeats itself."""
+@pytest.mark.parametrize("with_drafter,any_match", [(True, False), (True, True), (False, False)])
+def test_lookup_from_the_cli_copies_and_stays_lossless(random_models, capsys, with_drafter, any_match):
+    """--lookup in front of a drafter (choosing by measured speed, or copying any match), or
+    alone on a target without one: the target's tokens, and drafts where the prompt repeats itself."""
     target_dir = random_models["target"]
     prompt = [5, 6, 7, 8, 9] * 4
     drafter = ["--drafter", str(random_models["random-dllm"])] if with_drafter else []
+    drafter += ["--lookup-any-match"] if any_match else []
     code = main(["generate", "--target", str(target_dir), *drafter, "--lookup", "--lookup-tokens", "5",
                  "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "20", "--dtype", "float64", "--json"])
     assert code == 0

@@ -50,7 +50,7 @@ def _policy(args: argparse.Namespace) -> Policy | PolicyFactory | None:
 
 def _lookup(args: argparse.Namespace) -> LookupSettings:
     return LookupSettings(min_ngram=args.lookup_min_ngram, max_ngram=max(LookupSettings().max_ngram, args.lookup_min_ngram),
-                          max_tokens=args.lookup_tokens)
+                          max_tokens=args.lookup_tokens, adaptive=not args.lookup_any_match)
 
 
 def _prompt_ids(text: str) -> list[int]:
@@ -173,10 +173,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     dtype = resolve_dtype(args.dtype)
     factory = MethodFactory(resolve_model(args.target), {"ar": args.ar_drafter, "dllm": args.dllm_drafter,
                                                          "dflash": args.dflash_drafter, "eagle3": args.eagle3_drafter},
-                            dtype)
+                            dtype, SamplingParams(temperature=args.temperature, seed=args.seed))
     results = run_bench(factory, specs, prompts, args.max_new_tokens, args.repeats)
     meta = {"dataset": args.dataset, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
             "repeats": args.repeats, "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."),
+            "temperature": args.temperature,
             "command": "failfast bench " + " ".join(sys.argv[2:])}
     out = Path(args.out)
     write_report(results, [s.name for s in specs], meta, out, factory.target.tokenizer,
@@ -315,12 +316,15 @@ def _add_model_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--sub-block", type=int, help="block-diffusion sub-block size (default: the drafter's config)")
     g.add_argument("--lookup", action="store_true",
                    help="prompt lookup: a round drafts a copy of what followed the last tokens' earlier "
-                        "occurrence; rounds with nothing to copy use the drafter (alone without --drafter; "
-                        "README, \"Prompt lookup\")")
+                        "occurrence where such copies measured at least as fast as the drafter; other rounds use "
+                        "the drafter (alone without --drafter; README, \"Prompt lookup\")")
     g.add_argument("--lookup-tokens", type=int, default=LookupSettings().max_tokens,
                    help="most tokens copied per round with --lookup")
     g.add_argument("--lookup-min-ngram", type=int, default=LookupSettings().min_ngram,
                    help="shortest match (in tokens) that --lookup copies after; 2 leaves more rounds to the drafter")
+    g.add_argument("--lookup-any-match", action="store_true",
+                   help="with --lookup and a drafter: copy whenever a match is found, without measuring which "
+                        "kind of round is faster (reproducible drafts)")
     g.add_argument("--full-draft-vocab", action="store_true",
                    help="ignore the drafter's draft_vocab.json (its output head over every token)")
     g.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
@@ -396,6 +400,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, help="torch CPU threads")
     b.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
                    help="auto as for generate; float64 makes the token-identity check immune to rounding near-ties")
+    b.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature (0: greedy); every method of ours must still give plain AR's "
+                        "tokens, seeded (peers run greedy only)")
+    b.add_argument("--seed", type=int, default=0, help="sampling seed with --temperature")
     b.set_defaults(func=cmd_bench)
 
     t = sub.add_parser("train", help="train the embedded models (data, ar, diffusion, dflash, eagle3 stages)")

@@ -20,7 +20,9 @@ from failfast.bench.oracle import OracleDrafter
 from failfast.decode.engine import SpeculativeEngine
 from failfast.model import LoadedModel, load_model
 from failfast.decode.policies import FailFast, Fixed, Policy, PolicyFactory, cost_aware, drafter_failfast
+from failfast.decode.sampling import SamplingParams
 from failfast.decode.stats import GenerationStats
+from failfast.errors import GenerationInputError
 from failfast.integrations.vllm_peers import (VLLM_METHODS, VllmGenerator, proposer_config, speculative_config,
                                               vllm_available)
 
@@ -107,13 +109,16 @@ def default_methods() -> list[MethodSpec]:
         *(MethodSpec(f"failfast-eagle3-tau{t}", "eagle3-drafter", FailFast(tau=t, chunk=2)) for t in (0.45, 0.8)),
         MethodSpec("failfast-eagle3-cost", "eagle3-drafter", cost_aware()),
         # prompt lookup: copies of earlier text, alone (vLLM's ngram) and in front of each drafter
-        # kind (the rounds without a copy use the drafter); -n2 needs a match of two tokens or more
+        # kind (a round copies where copies measured at least as fast as the drafter, else the
+        # drafter drafts it; -any copies every match); -n2 needs a match of two tokens or more
         *(MethodSpec(f"lookup-fixed-{k}", "lookup", Fixed(k), lookup=LookupSettings(max_tokens=k)) for k in (4, 8, 16)),
         MethodSpec("lookup-n2", "lookup", Fixed(8), lookup=LookupSettings(min_ngram=2)),
         *(MethodSpec(f"failfast{kind}-lookup", f"{drafter}-drafter", drafter_failfast(), lookup=LookupSettings())
           for kind, drafter in LOOKUP_KINDS),
         *(MethodSpec(f"failfast{kind}-lookup-n2", f"{drafter}-drafter", drafter_failfast(),
                      lookup=LookupSettings(min_ngram=2)) for kind, drafter in LOOKUP_KINDS),
+        *(MethodSpec(f"failfast{kind}-lookup-any", f"{drafter}-drafter", drafter_failfast(),
+                     lookup=LookupSettings(adaptive=False)) for kind, drafter in LOOKUP_KINDS),
         *(MethodSpec(f"failfast-lookup-{k}", "dllm-drafter", drafter_failfast(), lookup=LookupSettings(max_tokens=k))
           for k in (4, 16)),
         MethodSpec("oracle", "oracle", Fixed(60)),
@@ -126,11 +131,15 @@ def default_methods() -> list[MethodSpec]:
 class MethodFactory:
     """Loads each model once and builds runners that share them."""
 
-    def __init__(self, target: Path, drafters: dict[str, str | Path], dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, target: Path, drafters: dict[str, str | Path], dtype: torch.dtype = torch.float32,
+                 sampling: SamplingParams = SamplingParams()) -> None:
         """`drafters`: folder or embedded name of each drafter kind (ar, dllm, dflash, eagle3),
-        resolved when a method first needs it."""
+        resolved when a method first needs it. `sampling`: how our engines pick tokens (seeded
+        sampling is reproduced token for token by every method, decode/sampling.py); peers
+        (transformers, vLLM) decode greedily only."""
         self.paths: dict[str, str | Path] = {"target": target, **drafters}
         self.dtype = dtype
+        self.sampling = sampling
         self.target = load_model(target, dtype=dtype)
         self._loaded: dict[tuple[str, torch.dtype], LoadedModel] = {}
         self._hf: dict[str, torch.nn.Module] = {}
@@ -181,6 +190,8 @@ class MethodFactory:
         return run
 
     def runner(self, spec: MethodSpec) -> Runner:
+        if spec.is_peer and not self.sampling.greedy:
+            raise GenerationInputError(f"peer method {spec.name!r} is compared greedily only; drop it or the temperature")
         if spec.kind == "vllm":
             return self._vllm_runner(spec.name)
         if spec.kind == "hf":
@@ -194,7 +205,7 @@ class MethodFactory:
         elif spec.kind == "oracle":
             def run_oracle(prompt: list[int], max_new: int, reference: list[int]) -> MethodOutput:
                 oracle = SpeculativeEngine(self.target, OracleDrafter(len(prompt), reference), spec.policy)
-                result = oracle.generate(prompt, max_new)
+                result = oracle.generate(prompt, max_new, self.sampling)
                 return MethodOutput(result.token_ids, result.stats)
             return run_oracle
         elif spec.kind not in ("ar", "lookup"):
@@ -204,6 +215,6 @@ class MethodFactory:
         engine = SpeculativeEngine(self.target, drafter, spec.policy)
 
         def run(prompt: list[int], max_new: int, reference: list[int]) -> MethodOutput:
-            result = engine.generate(prompt, max_new)
+            result = engine.generate(prompt, max_new, self.sampling)
             return MethodOutput(result.token_ids, result.stats)
         return run

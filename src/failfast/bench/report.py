@@ -63,9 +63,15 @@ def _fmt(value: Any, digits: int = 2) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
+def _decoding(meta: dict[str, Any]) -> str:
+    temperature = meta.get("temperature", 0.0)
+    return f"sampled at temperature {temperature}" if temperature else "greedy"
+
+
 def markdown_table(summary: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [f"# failfast bench — {meta['dataset']}, {meta['prompts']} prompts, {meta['max_new_tokens']} new tokens",
-             "", f"{meta['date']}, {meta['machine']}, {meta.get('dtype', 'float32')}; median of {meta['repeats']} interleaved repeats per prompt. "
+             "", f"{meta['date']}, {meta['machine']}, {meta.get('dtype', 'float32')}, {_decoding(meta)}; "
+             f"median of {meta['repeats']} interleaved repeats per prompt. "
              "Speedup is plain AR time / method time, per prompt, then median (and geometric mean) over prompts. "
              "Cost model: the paper's A6000 latencies (6.1 ms per drafter pass; target 13.5/24.7/52.6 ms).", "",
              "| method | lossless | speedup (median) | speedup (geomean) | tok/s | tokens / target fwd | "
