@@ -48,7 +48,8 @@ STAGES = {
                        "embedding, shares the target's embedding and output head",
                        [("EAGLE-3 training (training-time test) on the target's self-distilled continuations",
                          "eagle3-drafter"),
-                        ("continued for 1400 steps (seed 1, peak lr 6e-4)", "eagle3-drafter-v2")]),
+                        ("continued for 1400 steps (seed 1, peak lr 6e-4)", "eagle3-drafter-v2"),
+                        ("a third pass, 2000 steps (seed 2, peak lr 5e-4)", "eagle3-drafter-v3")]),
 }
 SHARD_BYTES = 16 * 2**20  # keep every shipped file small
 
