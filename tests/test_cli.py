@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from failfast import FailFast, SpeculativeEngine, drafter_failfast, load_model, make_drafter
-from failfast.cli import _policy, build_parser, main
+from failfast.cli import _load_pipeline, _policy, build_parser, main
+from failfast.drafters.lookup import LookupDrafter
 
 
 def test_generate_json_matches_the_library(target_dir, capsys):
@@ -77,14 +78,26 @@ def test_failfast_defaults_follow_the_drafter_kind(random_models, kind):
     assert _policy(args)(target, drafter, [5, 6]) == FailFast(*expected)
 
 
-@pytest.mark.parametrize("with_drafter,any_match", [(True, False), (True, True), (False, False)])
-def test_lookup_from_the_cli_copies_and_stays_lossless(random_models, capsys, with_drafter, any_match):
-    """--lookup in front of a drafter (choosing by measured speed, or copying any match), or
-    alone on a target without one: the target's tokens, and drafts where the prompt repeats itself."""
+def test_prompt_lookup_is_on_in_front_of_a_drafter_unless_turned_off(random_models):
+    target, dllm = str(random_models["target"]), str(random_models["random-dllm"])
+
+    def drafter_of(*flags: str):
+        args = build_parser().parse_args(["generate", "--target", target, *flags, "--prompt", "x", "--dtype", "float64"])
+        return _load_pipeline(args).engine.drafter
+    assert isinstance(drafter_of("--drafter", dllm), LookupDrafter)
+    assert isinstance(drafter_of("--drafter", dllm, "--policy", "fixed"), LookupDrafter)
+    assert not isinstance(drafter_of("--drafter", dllm, "--no-lookup"), LookupDrafter)
+    assert drafter_of() is None  # a target of one's own without a drafter decodes plainly
+    assert drafter_of("--lookup").inner is None  # unless asked for prompt lookup alone
+
+
+@pytest.mark.parametrize("with_drafter", [True, False])
+def test_lookup_from_the_cli_copies_and_stays_lossless(random_models, capsys, with_drafter):
+    """--lookup in front of a drafter, or alone on a target without one: the target's tokens,
+    and drafts where the prompt repeats itself."""
     target_dir = random_models["target"]
     prompt = [5, 6, 7, 8, 9] * 4
     drafter = ["--drafter", str(random_models["random-dllm"])] if with_drafter else []
-    drafter += ["--lookup-any-match"] if any_match else []
     code = main(["generate", "--target", str(target_dir), *drafter, "--lookup", "--lookup-tokens", "5",
                  "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "20", "--dtype", "float64", "--json"])
     assert code == 0

@@ -48,9 +48,14 @@ def _policy(args: argparse.Namespace) -> Policy | PolicyFactory | None:
     return drafter_failfast(tau=args.tau, chunk=args.chunk, max_draft=args.max_draft)
 
 
-def _lookup(args: argparse.Namespace) -> LookupSettings:
+def _lookup(args: argparse.Namespace, policy: Policy | PolicyFactory | None) -> LookupSettings | None:
+    """Prompt lookup's settings when the run drafts with it: by default whenever a drafter
+    drafts (README, "Prompt lookup": faster in every regime measured), or as asked."""
+    wanted = args.lookup if args.lookup is not None else args.drafter is not None
+    if not (wanted and policy):
+        return None
     return LookupSettings(min_ngram=args.lookup_min_ngram, max_ngram=max(LookupSettings().max_ngram, args.lookup_min_ngram),
-                          max_tokens=args.lookup_tokens, adaptive=not args.lookup_any_match)
+                          max_tokens=args.lookup_tokens)
 
 
 def _prompt_ids(text: str) -> list[int]:
@@ -68,7 +73,7 @@ def _load_pipeline(args: argparse.Namespace) -> Pipeline:
                          unmask_threshold=args.unmask_threshold, denoise=args.denoise, sub_block_size=args.sub_block,
                          full_vocab=args.full_draft_vocab,
                          gate=SpeculationGate() if args.speculation_gate and policy else None,
-                         lookup=_lookup(args) if args.lookup and policy else None,
+                         lookup=_lookup(args, policy),
                          dtype=resolve_dtype(args.dtype, args.device),
                          drafter_dtype=DTYPES[args.drafter_dtype] if args.drafter_dtype else None, device=args.device)
 
@@ -126,26 +131,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """The embedded default end to end: FailFast vs plain AR on one prompt, both live."""
+    """The embedded default end to end (`failfast generate` with no flags: FailFast over the
+    block-diffusion drafter with prompt lookup) vs plain AR on one prompt, both live."""
     from failfast.bench.timing import interleaved_runs, median
     from failfast.decode.engine import SpeculativeEngine
 
-    pipe = Pipeline.load(DEFAULT_TARGET, DEFAULT_DRAFTER, drafter_failfast())
+    pipe = Pipeline.load(DEFAULT_TARGET, DEFAULT_DRAFTER, drafter_failfast(), lookup=LookupSettings())
     prompt = pipe.encode(args.prompt)
     plain = SpeculativeEngine(pipe.target)
+    name = "FailFast + lookup"
     times, outputs = interleaved_runs({
         "plain AR": lambda: plain.generate(prompt, args.max_new_tokens),
-        "FailFast": lambda: pipe.engine.generate(prompt, args.max_new_tokens),
+        name: lambda: pipe.engine.generate(prompt, args.max_new_tokens),
     }, repeats=args.repeats)
-    ar, ff = outputs["plain AR"], outputs["FailFast"]
+    ar, ff = outputs["plain AR"], outputs[name]
     if ar.token_ids != ff.token_ids:
-        raise FailfastError("FailFast output differs from plain AR output: this is a bug, please report it")
+        raise FailfastError(f"{name} output differs from plain AR output: this is a bug, please report it")
     print(args.prompt + ff.text)
-    t_ar, t_ff = median(times["plain AR"]), median(times["FailFast"])
+    t_ar, t_ff = median(times["plain AR"]), median(times[name])
     s = ff.stats
-    print(f"\nplain AR: {ar.stats.tokens / t_ar:.1f} tok/s | FailFast: {s.tokens / t_ff:.1f} tok/s | "
+    print(f"\nplain AR: {ar.stats.tokens / t_ar:.1f} tok/s | {name}: {s.tokens / t_ff:.1f} tok/s | "
           f"speedup {t_ar / t_ff:.2f}x (median of {args.repeats} interleaved runs, tokens identical)\n"
-          f"FailFast committed {s.tokens_per_round:.2f} tokens per target forward; drafted {s.drafted}, "
+          f"{name} committed {s.tokens_per_round:.2f} tokens per target forward; drafted {s.drafted}, "
           f"accepted {s.accepted}, drafter passes {s.drafter_forwards}")
     return 0
 
@@ -314,17 +321,15 @@ def _add_model_flags(g: argparse.ArgumentParser) -> None:
                    help="block-diffusion pass: prefix (the active sub-block against cached K/V of what precedes "
                         "it; default), sub-block (Fast-dLLM v2's block cache) or full-block (exact)")
     g.add_argument("--sub-block", type=int, help="block-diffusion sub-block size (default: the drafter's config)")
-    g.add_argument("--lookup", action="store_true",
+    g.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=None,
                    help="prompt lookup: a round drafts a copy of what followed the last tokens' earlier "
-                        "occurrence where such copies measured at least as fast as the drafter; other rounds use "
-                        "the drafter (alone without --drafter; README, \"Prompt lookup\")")
+                        "occurrence; rounds with nothing to copy use the drafter. On by default in front of a "
+                        "drafter (--no-lookup: the drafter alone); without a drafter, --lookup is prompt lookup "
+                        "alone (README, \"Prompt lookup\")")
     g.add_argument("--lookup-tokens", type=int, default=LookupSettings().max_tokens,
-                   help="most tokens copied per round with --lookup")
+                   help="most tokens copied per round by prompt lookup")
     g.add_argument("--lookup-min-ngram", type=int, default=LookupSettings().min_ngram,
-                   help="shortest match (in tokens) that --lookup copies after; 2 leaves more rounds to the drafter")
-    g.add_argument("--lookup-any-match", action="store_true",
-                   help="with --lookup and a drafter: copy whenever a match is found, without measuring which "
-                        "kind of round is faster (reproducible drafts)")
+                   help="shortest match (in tokens) that prompt lookup copies after; 2 leaves more rounds to the drafter")
     g.add_argument("--full-draft-vocab", action="store_true",
                    help="ignore the drafter's draft_vocab.json (its output head over every token)")
     g.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
@@ -378,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--threads", type=int, help="torch CPU threads")
     sv.set_defaults(func=cmd_serve)
 
-    d = sub.add_parser("demo", help="embedded models: complete a prompt, print FailFast's speedup over plain AR")
+    d = sub.add_parser("demo", help="embedded models: complete a prompt, print the default pipeline's speedup over plain AR")
     d.add_argument("--prompt", default="def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.add_argument("--repeats", type=int, default=3)

@@ -109,16 +109,13 @@ def default_methods() -> list[MethodSpec]:
         *(MethodSpec(f"failfast-eagle3-tau{t}", "eagle3-drafter", FailFast(tau=t, chunk=2)) for t in (0.45, 0.8)),
         MethodSpec("failfast-eagle3-cost", "eagle3-drafter", cost_aware()),
         # prompt lookup: copies of earlier text, alone (vLLM's ngram) and in front of each drafter
-        # kind (a round copies where copies measured at least as fast as the drafter, else the
-        # drafter drafts it; -any copies every match); -n2 needs a match of two tokens or more
+        # kind (the rounds without a copy use the drafter); -n2 needs a match of two tokens or more
         *(MethodSpec(f"lookup-fixed-{k}", "lookup", Fixed(k), lookup=LookupSettings(max_tokens=k)) for k in (4, 8, 16)),
         MethodSpec("lookup-n2", "lookup", Fixed(8), lookup=LookupSettings(min_ngram=2)),
         *(MethodSpec(f"failfast{kind}-lookup", f"{drafter}-drafter", drafter_failfast(), lookup=LookupSettings())
           for kind, drafter in LOOKUP_KINDS),
         *(MethodSpec(f"failfast{kind}-lookup-n2", f"{drafter}-drafter", drafter_failfast(),
                      lookup=LookupSettings(min_ngram=2)) for kind, drafter in LOOKUP_KINDS),
-        *(MethodSpec(f"failfast{kind}-lookup-any", f"{drafter}-drafter", drafter_failfast(),
-                     lookup=LookupSettings(adaptive=False)) for kind, drafter in LOOKUP_KINDS),
         *(MethodSpec(f"failfast-lookup-{k}", "dllm-drafter", drafter_failfast(), lookup=LookupSettings(max_tokens=k))
           for k in (4, 16)),
         MethodSpec("oracle", "oracle", Fixed(60)),

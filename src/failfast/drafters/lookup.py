@@ -3,8 +3,7 @@
 Text repeats itself: a name, a call, a line pattern, and a small model's greedy loops. When
 the last few committed tokens occurred earlier in the sequence, the tokens that followed
 them there are a draft that costs no forward. `LookupDrafter` drafts such a copy, with
-confidence 1.0, where copies of that match length have measured at least as fast as its
-model drafter (`copy_choice.py`), and lets the model drafter draft the other rounds.
+confidence 1.0, and lets its model drafter (if any) draft the rounds where nothing matches.
 Verification decides as for any draft, so the output is unchanged.
 """
 
@@ -12,13 +11,11 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from torch import Tensor
 
 from failfast.decode.policies import FailFastDefaults, drafter_defaults
 from failfast.drafters.base import Drafter
-from failfast.drafters.copy_choice import MODEL_ROUND, CopyChoice, TimedRound
 from failfast.errors import PolicyError
 from failfast.model.kv_cache import KVCache
 
@@ -28,31 +25,18 @@ COPY_CONFIDENCE = 1.0  # a copied token is not predicted: the policy asks for th
 @dataclass(frozen=True)
 class LookupSettings:
     """The longest suffix of `max_ngram` down to `min_ngram` tokens that occurred before is
-    matched; up to `max_tokens` of what followed it are copied per round. With `adaptive`,
-    a copy is drafted only where that match length measured at least as fast as the model
-    drafter; without it, any match is copied. Defaults measured on the embedded models
-    (README, "Prompt lookup")."""
+    matched; up to `max_tokens` of what followed it are copied per round. Defaults measured
+    on the embedded models (README, "Prompt lookup")."""
 
     min_ngram: int = 1
     max_ngram: int = 4
     max_tokens: int = 8
-    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise PolicyError(f"lookup n-grams need 1 <= min <= max, got {self.min_ngram} and {self.max_ngram}")
         if self.max_tokens < 1:
             raise PolicyError(f"lookup max tokens must be >= 1, got {self.max_tokens}")
-
-
-class Copy(NamedTuple):
-    """A copied continuation and the length of the n-gram it follows (0: no match)."""
-
-    tokens: list[int]
-    ngram: int
-
-
-NO_COPY = Copy([], 0)
 
 
 class NgramIndex:
@@ -63,7 +47,7 @@ class NgramIndex:
         self.ends: dict[tuple[int, ...], int] = {}  # n-gram -> end (exclusive) of its latest indexed occurrence
         self.tokens: list[int] = []  # the indexed sequence: n-grams ending before its last token are indexed
 
-    def continuation(self, seq: list[int]) -> Copy:
+    def continuation(self, seq: list[int]) -> list[int]:
         """Up to `max_tokens` tokens that followed the latest earlier occurrence of the longest
         matching suffix of `seq`; a copy that reaches the end of `seq` goes on with itself (a
         loop repeats). Empty when nothing matches. A `seq` that extends the last one is indexed
@@ -81,8 +65,8 @@ class NgramIndex:
                 copied: list[int] = []
                 for i in range(start, start + s.max_tokens):
                     copied.append(seq[i] if i < len(seq) else copied[i - len(seq)])
-                return Copy(copied, n)
-        return NO_COPY
+                return copied
+        return []
 
 
 class LookupDrafter:
@@ -93,20 +77,16 @@ class LookupDrafter:
     its passes and the extra verified tokens cost more than they won, and a drafter that
     reads the target's features has none for copied positions anyway. Without an inner
     drafter this is prompt lookup alone (vLLM's `ngram` method). Batches run the inner
-    drafters' passes of the rows without a copy together. `choice` (shared by a batch's
-    slots) holds the measured rates that decide between copy and model per round.
+    drafters' passes of the rows without a copy together.
     """
 
-    def __init__(self, inner: Drafter | None, settings: LookupSettings = LookupSettings(),
-                 choice: CopyChoice | None = None) -> None:
+    def __init__(self, inner: Drafter | None, settings: LookupSettings = LookupSettings()) -> None:
         self.inner = inner
         self.settings = settings
-        self.choice = choice or CopyChoice()
         self.copied = 0  # tokens drafted by copying (cumulative)
         self._index = NgramIndex(settings)
         self._copy: list[int] = []
         self._served = 0
-        self._round: TimedRound | None = None
 
     # what the engine reads of its drafter, from the inner one
     @property
@@ -140,11 +120,10 @@ class LookupDrafter:
 
     def __copy__(self) -> "LookupDrafter":
         """A batch slot's copy: its own inner drafter and index (`prepare` resets both)."""
-        return LookupDrafter(copy.copy(self.inner) if self.inner is not None else None, self.settings, self.choice)
+        return LookupDrafter(copy.copy(self.inner) if self.inner is not None else None, self.settings)
 
     def prepare(self, total_len: int, cache: KVCache | None = None) -> None:
         self._index = NgramIndex(self.settings)
-        self._round = None
         if self.inner is not None:
             if cache is not None:
                 self.inner.prepare(total_len, cache=cache)  # type: ignore[call-arg]
@@ -152,31 +131,14 @@ class LookupDrafter:
                 self.inner.prepare(total_len)
 
     def begin(self, committed: list[int]) -> None:
-        found = self._index.continuation(committed)
-        self._copy, self._served = found.tokens, 0
-        if self.inner is not None and self.settings.adaptive:
-            self._choose(found, committed)
+        self._copy = self._index.continuation(committed)
+        self._served = 0
         if self._drafts_with_inner:
             self.inner.begin(committed)  # type: ignore[union-attr]
 
-    def _choose(self, found: Copy, committed: list[int]) -> None:
-        """Credit the last round's outcome to its arm, then keep this round's copy only if
-        its match length has measured at least as fast as the model drafter."""
-        if self._round is not None:
-            self._round.settle(committed)
-        if found.tokens and not self.choice.prefer_copy(found.ngram):
-            self._copy = []
-        self._round = TimedRound(self.choice, found.ngram if self._copy else MODEL_ROUND, committed)
-
-    def _served_tokens(self, tokens: list[int]) -> list[int]:
-        """Note tokens this round drafted (the open round's outcome is judged against them)."""
-        if self._round is not None:
-            self._round.drafted += tokens
-        return tokens
-
     def _take_copy(self, count: int) -> tuple[list[int], list[float]]:
         """The copy's next `count` tokens (fewer at its end) and their confidences."""
-        tokens = self._served_tokens(self._copy[self._served:self._served + count])
+        tokens = self._copy[self._served:self._served + count]
         self._served += len(tokens)
         self.copied += len(tokens)
         return tokens, [COPY_CONFIDENCE] * len(tokens)
@@ -188,8 +150,7 @@ class LookupDrafter:
 
     def draft(self, count: int) -> tuple[list[int], list[float]]:
         if self._drafts_with_inner:
-            tokens, confs = self.inner.draft(count)  # type: ignore[union-attr]
-            return self._served_tokens(tokens), confs
+            return self.inner.draft(count)  # type: ignore[union-attr]
         return self._take_copy(count)
 
     @staticmethod
@@ -207,7 +168,6 @@ class LookupDrafter:
                 out[slot] = d._take_copy(count)
         if inner_wants:
             inners = [d.inner for d in drafters]
-            for slot, (tokens, confs) in type(inners[next(iter(inner_wants))]).draft_rows(inners, inner_wants,
-                                                                                          shared).items():
-                out[slot] = drafters[slot]._served_tokens(tokens), confs
+            for slot, drafted in type(inners[next(iter(inner_wants))]).draft_rows(inners, inner_wants, shared).items():
+                out[slot] = drafted
         return out
