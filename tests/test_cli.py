@@ -69,7 +69,7 @@ def test_failfast_defaults_follow_the_drafter_kind(random_models, kind):
     cfg = loaded.config
     expected = {"random-dllm": lambda: (0.6, min(4, cfg.sub_block_size)),  # the likely head of a pass's sub-block
                 "random-dflash": lambda: (0.8, min(6, cfg.block_size - 1)),  # the likely head of a block
-                "random-eagle3": lambda: (0.7, 2),                           # a chain stops at the first unsure pair
+                "random-eagle3": lambda: (0.8, 2),                           # a chain stops at the first unsure pair
                 "random-ar": lambda: (0.45, 8)}[kind]()
     assert drafter_failfast()(target, drafter, [5, 6]) == FailFast(*expected)
     assert drafter_failfast(tau=0.2, chunk=3, max_draft=9)(target, drafter, [5, 6]) == FailFast(0.2, 3, 9)

@@ -105,8 +105,8 @@ def default_methods() -> list[MethodSpec]:
         *(MethodSpec(f"eagle3-fixed-{k}", "eagle3-drafter", Fixed(k)) for k in EAGLE3_SWEEP),
         MethodSpec("eagle3", "eagle3-drafter", Fixed(EAGLE3_BEST_K)),
         MethodSpec("failfast-eagle3", "eagle3-drafter", drafter_failfast()),
-        *(MethodSpec(f"failfast-eagle3-N{n}", "eagle3-drafter", FailFast(tau=0.7, chunk=n)) for n in (1, 4)),
-        *(MethodSpec(f"failfast-eagle3-tau{t}", "eagle3-drafter", FailFast(tau=t, chunk=2)) for t in (0.45, 0.8)),
+        *(MethodSpec(f"failfast-eagle3-N{n}", "eagle3-drafter", FailFast(tau=0.8, chunk=n)) for n in (1, 4)),
+        *(MethodSpec(f"failfast-eagle3-tau{t}", "eagle3-drafter", FailFast(tau=t, chunk=2)) for t in (0.45, 0.7, 0.9)),
         MethodSpec("failfast-eagle3-cost", "eagle3-drafter", cost_aware()),
         # prompt lookup: copies of earlier text, alone (vLLM's ngram) and in front of each drafter
         # kind (the rounds without a copy use the drafter); -n2 needs a match of two tokens or more

@@ -33,7 +33,7 @@ class Eagle3Drafter(ChainDrafter, TargetFeatureDrafter):
 
     batchable = True
     # one token per pass: stop at the first unsure pair (README, "Choosing the drafting defaults")
-    failfast_defaults = FailFastDefaults(tau=0.7, chunk=2)
+    failfast_defaults = FailFastDefaults(tau=0.8, chunk=2)
 
     def __init__(self, loaded: LoadedModel, target: LoadedModel, vocab_limit: int,
                  draft_vocab: Sequence[int] | None = None) -> None:
