@@ -22,6 +22,7 @@ from failfast.decode.sampling import SamplingParams
 
 
 
+INT8 = "int8"  # --drafter-dtype: int8 layer weights, float32 activations (model/int8.py)
 # Rows per forward for `failfast batch` (README, "Batch jobs": measured on the embedded models).
 BATCH_SIZE_DEFAULT = 8
 
@@ -75,7 +76,8 @@ def _load_pipeline(args: argparse.Namespace) -> Pipeline:
                          gate=SpeculationGate() if args.speculation_gate and policy else None,
                          lookup=_lookup(args, policy),
                          dtype=resolve_dtype(args.dtype, args.device),
-                         drafter_dtype=DTYPES[args.drafter_dtype] if args.drafter_dtype else None, device=args.device)
+                         drafter_dtype=DTYPES.get(args.drafter_dtype) if args.drafter_dtype else None,
+                         drafter_int8=args.drafter_dtype == INT8, device=args.device)
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
@@ -334,8 +336,9 @@ def _add_model_flags(g: argparse.ArgumentParser) -> None:
                    help="ignore the drafter's draft_vocab.json (its output head over every token)")
     g.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
                    help="auto: bfloat16 on CUDA and on AVX512-BF16 CPUs without AMX, float32 elsewhere (README, \"Precision\")")
-    g.add_argument("--drafter-dtype", choices=sorted(DTYPES),
-                   help="the drafter's dtype (default: --dtype's); drafts only, so never changes the output")
+    g.add_argument("--drafter-dtype", choices=[*sorted(DTYPES), INT8],
+                   help="the drafter's dtype (default: --dtype's; int8: a block-diffusion or AR drafter's layer "
+                        "weights in int8, float32 otherwise, CPU); drafts only, so never changes the output")
     g.add_argument("--device", default="cpu")
 
 

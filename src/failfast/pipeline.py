@@ -16,6 +16,7 @@ from failfast.decode.engine import GenerationResult, SpeculativeEngine
 from failfast.decode.gate import SpeculationGate
 from failfast.errors import GenerationInputError
 from failfast.model import LoadedModel, load_model
+from failfast.model.int8 import quantize_drafter
 from failfast.model.precision import default_dtype
 from failfast.decode.policies import Policy, PolicyFactory
 from failfast.decode.sampling import SamplingParams
@@ -37,11 +38,12 @@ class Pipeline:
              unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD, denoise: str = DEFAULT_DENOISE, sub_block_size: int | None = None,
              dtype: torch.dtype | None = None, drafter_dtype: torch.dtype | None = None,
              device: str = "cpu", full_vocab: bool = False, gate: SpeculationGate | None = None,
-             lookup: LookupSettings | None = None) -> "Pipeline":
-        """`drafter_dtype` (default: `dtype`), `full_vocab` (ignore the drafter's draft
-        vocabulary), `gate` (skip drafting in rounds where plain rounds measure faster) and
-        `lookup` (draft copies of earlier text first; alone when there is no drafter) never
-        change the output, only the cost."""
+             lookup: LookupSettings | None = None, drafter_int8: bool = False) -> "Pipeline":
+        """`drafter_dtype` (default: `dtype`), `drafter_int8` (a token-only drafter's layers in
+        int8, float32 otherwise; CPU), `full_vocab` (ignore the drafter's draft vocabulary),
+        `gate` (skip drafting in rounds where plain rounds measure faster) and `lookup` (draft
+        copies of earlier text first; alone when there is no drafter) never change the output,
+        only the cost."""
         dtype = dtype or default_dtype(device)  # bfloat16 where it is fastest, else float32 (model/precision.py)
         tgt = load_model(resolve_model(target), dtype=dtype, device=device)
         if drafter is None and lookup is None:
@@ -50,7 +52,10 @@ class Pipeline:
             raise GenerationInputError("a drafter needs a policy (Fixed, FailFast or policies.cost_aware())")
         drf = None
         if drafter is not None:
-            drafter_model = load_model(resolve_model(drafter), dtype=drafter_dtype or dtype, device=device)
+            drafter_model = load_model(resolve_model(drafter), dtype=torch.float32 if drafter_int8 else drafter_dtype or dtype,
+                                       device=device)
+            if drafter_int8:
+                quantize_drafter(drafter_model.model)  # type: ignore[arg-type]
             drf = make_drafter(tgt, drafter_model, unmask_threshold, denoise, sub_block_size, full_vocab)
         if lookup is not None:
             drf = LookupDrafter(drf, lookup)

@@ -19,6 +19,7 @@ from failfast.drafters.block_diffusion import DEFAULT_DENOISE, DEFAULT_UNMASK_TH
 from failfast.bench.oracle import OracleDrafter
 from failfast.decode.engine import SpeculativeEngine
 from failfast.model import LoadedModel, load_model
+from failfast.model.int8 import quantize_drafter
 from failfast.decode.policies import FailFast, Fixed, Policy, PolicyFactory, cost_aware, drafter_failfast
 from failfast.decode.sampling import SamplingParams
 from failfast.decode.stats import GenerationStats
@@ -46,6 +47,7 @@ class MethodSpec:
     sub_block_size: int | None = None  # None: the drafter's config
     schedule: str | None = None    # transformers assisted generation schedule
     drafter_dtype: torch.dtype | None = None  # None: the target's dtype
+    drafter_int8: bool = False  # the drafter's layer weights in int8, float32 otherwise (model/int8.py)
     full_vocab: bool = False       # ignore the drafter's draft_vocab.json (the head over every token)
     lookup: LookupSettings | None = None  # prompt lookup in front of the drafter (kind "lookup": alone)
 
@@ -91,6 +93,7 @@ def default_methods() -> list[MethodSpec]:
         MethodSpec("failfast-s4", "dllm-drafter", ff, sub_block_size=4),
         MethodSpec("failfast-s16", "dllm-drafter", ff, sub_block_size=16),
         MethodSpec("failfast-drafter-fp32", "dllm-drafter", ff, drafter_dtype=torch.float32),
+        MethodSpec("failfast-drafter-int8", "dllm-drafter", ff, drafter_int8=True),
         MethodSpec("failfast-cost", "dllm-drafter", cost_aware()),  # costs measured on the first prompt
         MethodSpec("failfast-full-vocab", "dllm-drafter", ff, full_vocab=True),
         MethodSpec("ar-fixed-4-full-vocab", "ar-drafter", Fixed(4), full_vocab=True),
@@ -118,6 +121,8 @@ def default_methods() -> list[MethodSpec]:
                      lookup=LookupSettings(min_ngram=2)) for kind, drafter in LOOKUP_KINDS),
         *(MethodSpec(f"failfast-lookup-{k}", "dllm-drafter", drafter_failfast(), lookup=LookupSettings(max_tokens=k))
           for k in (4, 16)),
+        MethodSpec("failfast-lookup-drafter-int8", "dllm-drafter", drafter_failfast(), lookup=LookupSettings(),
+                   drafter_int8=True),
         MethodSpec("oracle", "oracle", Fixed(60)),
         # vLLM on the same weights, when installed (the vllm extra): plain, its own speculative
         # methods, and our proposer inside it (integrations/vllm_peers.py)
@@ -138,14 +143,16 @@ class MethodFactory:
         self.dtype = dtype
         self.sampling = sampling
         self.target = load_model(target, dtype=dtype)
-        self._loaded: dict[tuple[str, torch.dtype], LoadedModel] = {}
+        self._loaded: dict[tuple[str, torch.dtype, bool], LoadedModel] = {}
         self._hf: dict[str, torch.nn.Module] = {}
         self._vllm: dict[str, VllmGenerator] = {}
 
-    def _drafter_model(self, which: str, dtype: torch.dtype | None = None) -> LoadedModel:
-        key = (which, dtype or self.dtype)
+    def _drafter_model(self, which: str, dtype: torch.dtype | None = None, int8: bool = False) -> LoadedModel:
+        key = (which, torch.float32 if int8 else dtype or self.dtype, int8)
         if key not in self._loaded:
             self._loaded[key] = load_model(resolve_model(self.paths[which]), dtype=key[1])
+            if int8:
+                quantize_drafter(self._loaded[key].model)  # type: ignore[arg-type]
         return self._loaded[key]
 
     def _hf_model(self, which: str) -> torch.nn.Module:
@@ -197,7 +204,8 @@ class MethodFactory:
             return self._hf_runner(self._hf_model("ar"), spec.schedule)
         drafter: Drafter | None = None
         if spec.kind in ("ar-drafter", "dllm-drafter", "dflash-drafter", "eagle3-drafter"):  # as make_drafter builds for users
-            drafter = make_drafter(self.target, self._drafter_model(spec.kind.removesuffix("-drafter"), spec.drafter_dtype),
+            drafter = make_drafter(self.target, self._drafter_model(spec.kind.removesuffix("-drafter"), spec.drafter_dtype,
+                                                                    spec.drafter_int8),
                                    spec.unmask_threshold, spec.denoise, spec.sub_block_size, spec.full_vocab)
         elif spec.kind == "oracle":
             def run_oracle(prompt: list[int], max_new: int, reference: list[int]) -> MethodOutput:

@@ -1,0 +1,81 @@
+"""Int8 drafter weights: close to the float layers, and drafts from them never change the
+output (a float64 target; the drafter's layers in int8, float32 otherwise)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from failfast import FailFast, Fixed, SpeculativeEngine, load_model, make_drafter
+from failfast.cli import main
+from failfast.decode.engine import GenerationRequest
+from failfast.errors import IncompatibleModelsError
+from failfast.model.int8 import Int8Linear, quantize_drafter
+from failfast.model.transformer import Linear
+from tests.helpers import prompt_of
+
+
+def test_an_int8_linear_computes_the_float_one_to_int8_precision():
+    torch.manual_seed(0)
+    layer = Linear(64, 48, bias=True)
+    x = torch.randn(5, 3, 64)
+    exact, coarse = layer(x), Int8Linear(layer)(x)
+    assert coarse.shape == exact.shape == (5, 3, 48)
+    assert (coarse - exact).norm() / exact.norm() < 0.02
+    assert not torch.equal(coarse, exact)  # it is quantized, not the float layer
+
+
+def test_quantizing_swaps_every_decoder_layer_linear(random_models):
+    drafter = load_model(random_models["random-dllm"], dtype=torch.float32)
+    swapped = quantize_drafter(drafter.model)
+    layers = drafter.model.config.num_hidden_layers
+    assert swapped == 7 * layers  # q, k, v, o, gate, up, down
+    assert not any(type(m) is Linear for layer in drafter.model.model.layers for m in layer.modules())
+    assert drafter.model.dtype == torch.float32  # the embedding and head stay float
+
+
+def test_int8_is_refused_where_it_does_not_apply(random_models):
+    with pytest.raises(IncompatibleModelsError, match="only tokens"):
+        quantize_drafter(load_model(random_models["random-eagle3"], dtype=torch.float32).model)
+    with pytest.raises(IncompatibleModelsError, match="float32"):
+        quantize_drafter(load_model(random_models["random-dllm"], dtype=torch.float64).model)
+
+
+@pytest.mark.parametrize("policy", [FailFast(tau=0.45, chunk=10, max_draft=40), Fixed(6)])
+def test_int8_drafters_are_lossless(random_models, trained_pair, policy):
+    """The trained block-diffusion drafter (long accepted drafts) and random AR and
+    block-diffusion drafters, each with int8 layers, against a float64 target."""
+    target_dir, drafter_dir = trained_pair
+    target = load_model(target_dir, dtype=torch.float64)
+    drafter = load_model(drafter_dir, dtype=torch.float32)
+    quantize_drafter(drafter.model)
+    prompt = list(range(3, 12))
+    result = SpeculativeEngine(target, make_drafter(target, drafter), policy).generate(prompt, 90)
+    assert result.token_ids == SpeculativeEngine(target).generate(prompt, 90).token_ids
+    assert result.stats.tokens_per_round > 4  # int8 drafts are still accepted at length
+    random_target = load_model(random_models["target"], dtype=torch.float64)
+    for kind in ("random-dllm", "random-ar"):
+        drafter = load_model(random_models[kind], dtype=torch.float32)
+        quantize_drafter(drafter.model)
+        for length in (1, 17):
+            prompt = prompt_of(length)
+            result = SpeculativeEngine(random_target, make_drafter(random_target, drafter), policy).generate(prompt, 30)
+            assert result.token_ids == SpeculativeEngine(random_target).generate(prompt, 30).token_ids, (kind, length)
+    # batched drafting: several rows' passes through the int8 layers in one packed forward
+    engine = SpeculativeEngine(random_target, make_drafter(random_target, drafter), policy)
+    prompts = [prompt_of(n, seed=n) for n in (2, 7, 13, 20)]
+    together = dict(engine.generate_many([GenerationRequest(p, 24) for p in prompts], batch_size=3))
+    for i, prompt in enumerate(prompts):
+        assert together[i].token_ids == SpeculativeEngine(random_target).generate(prompt, 24).token_ids
+
+
+def test_cli_drafter_dtype_int8(random_models, capsys):
+    target = str(random_models["target"])
+    code = main(["generate", "--target", target, "--drafter", str(random_models["random-dllm"]), "--no-lookup",
+                 "--prompt-ids", "3,4,5", "--max-new-tokens", "12", "--json", "--dtype", "float64",
+                 "--drafter-dtype", "int8"])
+    out = json.loads(capsys.readouterr().out)
+    plain = SpeculativeEngine(load_model(target, dtype=torch.float64)).generate([3, 4, 5], 12)
+    assert code == 0 and out["token_ids"] == plain.token_ids and out["stats"]["drafter_forwards"] > 0
