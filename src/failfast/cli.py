@@ -22,7 +22,7 @@ from failfast.decode.sampling import SamplingParams
 
 
 
-INT8 = "int8"  # --drafter-dtype: int8 layer weights, float32 activations (model/int8.py)
+INT8 = "int8"  # --drafter-dtype: int8 weights in the drafter's linear layers (model/int8.py)
 # Rows per forward for `failfast batch` (README, "Batch jobs": measured on the embedded models).
 BATCH_SIZE_DEFAULT = 8
 
@@ -337,8 +337,8 @@ def _add_model_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
                    help="auto: bfloat16 on CUDA and on AVX512-BF16 CPUs without AMX, float32 elsewhere (README, \"Precision\")")
     g.add_argument("--drafter-dtype", choices=[*sorted(DTYPES), INT8],
-                   help="the drafter's dtype (default: --dtype's; int8: a block-diffusion or AR drafter's layer "
-                        "weights in int8, float32 otherwise, CPU); drafts only, so never changes the output")
+                   help="the drafter's dtype (default: --dtype's; int8: int8 weights in the drafter's linear layers, "
+                        "activations in --dtype's, CPU); drafts only, so never changes the output")
     g.add_argument("--device", default="cpu")
 
 

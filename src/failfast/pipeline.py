@@ -16,7 +16,7 @@ from failfast.decode.engine import GenerationResult, SpeculativeEngine
 from failfast.decode.gate import SpeculationGate
 from failfast.errors import GenerationInputError
 from failfast.model import LoadedModel, load_model
-from failfast.model.int8 import quantize_drafter
+from failfast.model.int8 import int8_activations, quantize_drafter
 from failfast.model.precision import default_dtype
 from failfast.decode.policies import Policy, PolicyFactory
 from failfast.decode.sampling import SamplingParams
@@ -39,8 +39,8 @@ class Pipeline:
              dtype: torch.dtype | None = None, drafter_dtype: torch.dtype | None = None,
              device: str = "cpu", full_vocab: bool = False, gate: SpeculationGate | None = None,
              lookup: LookupSettings | None = None, drafter_int8: bool = False) -> "Pipeline":
-        """`drafter_dtype` (default: `dtype`), `drafter_int8` (a token-only drafter's layers in
-        int8, float32 otherwise; CPU), `full_vocab` (ignore the drafter's draft vocabulary),
+        """`drafter_dtype` (default: `dtype`), `drafter_int8` (the drafter's linear layers in
+        int8, activations in its dtype, float32 for a float64 one; CPU), `full_vocab` (ignore the drafter's draft vocabulary),
         `gate` (skip drafting in rounds where plain rounds measure faster) and `lookup` (draft
         copies of earlier text first; alone when there is no drafter) never change the output,
         only the cost."""
@@ -52,10 +52,10 @@ class Pipeline:
             raise GenerationInputError("a drafter needs a policy (Fixed, FailFast or policies.cost_aware())")
         drf = None
         if drafter is not None:
-            drafter_model = load_model(resolve_model(drafter), dtype=torch.float32 if drafter_int8 else drafter_dtype or dtype,
-                                       device=device)
+            drafter_model = load_model(resolve_model(drafter), dtype=int8_activations(drafter_dtype or dtype)
+                                       if drafter_int8 else drafter_dtype or dtype, device=device)
             if drafter_int8:
-                quantize_drafter(drafter_model.model)  # type: ignore[arg-type]
+                quantize_drafter(drafter_model.model)
             drf = make_drafter(tgt, drafter_model, unmask_threshold, denoise, sub_block_size, full_vocab)
         if lookup is not None:
             drf = LookupDrafter(drf, lookup)

@@ -19,7 +19,7 @@ from failfast.drafters.block_diffusion import DEFAULT_DENOISE, DEFAULT_UNMASK_TH
 from failfast.bench.oracle import OracleDrafter
 from failfast.decode.engine import SpeculativeEngine
 from failfast.model import LoadedModel, load_model
-from failfast.model.int8 import quantize_drafter
+from failfast.model.int8 import int8_activations, quantize_drafter
 from failfast.decode.policies import FailFast, Fixed, Policy, PolicyFactory, cost_aware, drafter_failfast
 from failfast.decode.sampling import SamplingParams
 from failfast.decode.stats import GenerationStats
@@ -47,7 +47,7 @@ class MethodSpec:
     sub_block_size: int | None = None  # None: the drafter's config
     schedule: str | None = None    # transformers assisted generation schedule
     drafter_dtype: torch.dtype | None = None  # None: the target's dtype
-    drafter_int8: bool = False  # the drafter's layer weights in int8, float32 otherwise (model/int8.py)
+    drafter_int8: bool = False  # the drafter's linear layers with int8 weights (model/int8.py)
     full_vocab: bool = False       # ignore the drafter's draft_vocab.json (the head over every token)
     lookup: LookupSettings | None = None  # prompt lookup in front of the drafter (kind "lookup": alone)
 
@@ -94,6 +94,8 @@ def default_methods() -> list[MethodSpec]:
         MethodSpec("failfast-s16", "dllm-drafter", ff, sub_block_size=16),
         MethodSpec("failfast-drafter-fp32", "dllm-drafter", ff, drafter_dtype=torch.float32),
         MethodSpec("failfast-drafter-int8", "dllm-drafter", ff, drafter_int8=True),
+        MethodSpec("failfast-eagle3-int8", "eagle3-drafter", drafter_failfast(), drafter_int8=True),
+        MethodSpec("failfast-dflash-int8", "dflash-drafter", drafter_failfast(), drafter_int8=True),
         MethodSpec("failfast-cost", "dllm-drafter", cost_aware()),  # costs measured on the first prompt
         MethodSpec("failfast-full-vocab", "dllm-drafter", ff, full_vocab=True),
         MethodSpec("ar-fixed-4-full-vocab", "ar-drafter", Fixed(4), full_vocab=True),
@@ -148,11 +150,11 @@ class MethodFactory:
         self._vllm: dict[str, VllmGenerator] = {}
 
     def _drafter_model(self, which: str, dtype: torch.dtype | None = None, int8: bool = False) -> LoadedModel:
-        key = (which, torch.float32 if int8 else dtype or self.dtype, int8)
+        key = (which, int8_activations(dtype or self.dtype) if int8 else dtype or self.dtype, int8)
         if key not in self._loaded:
             self._loaded[key] = load_model(resolve_model(self.paths[which]), dtype=key[1])
             if int8:
-                quantize_drafter(self._loaded[key].model)  # type: ignore[arg-type]
+                quantize_drafter(self._loaded[key].model)
         return self._loaded[key]
 
     def _hf_model(self, which: str) -> torch.nn.Module:

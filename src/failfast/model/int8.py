@@ -1,9 +1,10 @@
 """Int8 weights for a drafter's linear layers (docs/design.md, "Int8 drafters").
 
 A drafter only proposes tokens: verification decides, so its arithmetic may be coarse
-without changing the output. On CPUs, PyTorch's dynamic int8 linear (fbgemm: int8 weights
-per output channel, activations quantized per call) runs a drafter pass's small matmuls
-faster than bf16 ones. The target is never quantized.
+without changing the output. On CPUs a drafter pass is a few small matmuls, and PyTorch's
+weight-only int8 matmul (`torch._weight_int8pack_mm`: int8 weights with one scale per
+output channel, activations in bf16, fp16 or float32) runs them faster than bf16 weights
+do. The target is never quantized.
 """
 
 from __future__ import annotations
@@ -12,43 +13,51 @@ import torch
 from torch import Tensor, nn
 
 from failfast.errors import IncompatibleModelsError
-from failfast.model.transformer import Linear, Transformer
+from failfast.model.transformer import Linear
+
+# Linear layers that stay as they are: a Transformer drafter's output head (tied to its
+# embedding), and the feature fusion `fc` of DFlash / EAGLE-3 drafters (their dtype and
+# device are read from it, and it runs once per round, not per pass).
+KEEP = ("lm_head", "fc")
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class Int8Linear(nn.Module):
-    """A `Linear` with symmetric per-output-channel int8 weights; float32 in and out."""
+    """A `Linear` with symmetric per-output-channel int8 weights; activations keep their dtype."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        weight = linear.weight.detach().float().cpu()
-        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
-        zero = torch.zeros(weight.shape[0], dtype=torch.long)
-        quantized = torch.quantize_per_channel(weight, scale.double(), zero, 0, torch.qint8)
-        bias = None if linear.bias is None else linear.bias.detach().float().cpu()
-        self.out_features = weight.shape[0]
-        self._packed = torch.ops.quantized.linear_prepack(quantized, bias)
+        weight = linear.weight.detach()
+        scale = weight.float().abs().amax(dim=1).clamp(min=1e-12) / 127
+        self.register_buffer("weight_int8", (weight.float() / scale[:, None]).round().to(torch.int8))
+        self.register_buffer("scale", scale.to(weight.dtype))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: Tensor) -> Tensor:
-        rows = x.reshape(-1, x.shape[-1]).float()
-        out = torch.ops.quantized.linear_dynamic(rows, self._packed, True)  # reduce_range: fbgemm's int16 sums
-        return out.view(*x.shape[:-1], self.out_features)
+        out = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.weight_int8, self.scale)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.weight_int8.shape[0])
 
 
-def quantize_drafter(model: Transformer) -> int:
-    """Swap the decoder layers' linear layers of a token-only drafter (block-diffusion or AR;
-    float32 on CPU) for `Int8Linear`; the embedding and output head stay float32. Returns how
-    many were swapped."""
-    if not isinstance(model, Transformer):
-        raise IncompatibleModelsError("int8 weights are for drafters that read only tokens (block-diffusion or AR), "
-                                      "not for drafters that read the target's features")
-    if model.dtype != torch.float32 or model.device.type != "cpu":
-        raise IncompatibleModelsError(f"int8 drafter weights need a float32 drafter on the CPU, got {model.dtype} "
-                                      f"on {model.device}")
+def int8_activations(dtype: torch.dtype) -> torch.dtype:
+    """The dtype an int8 drafter computes in for a drafter `dtype`: itself where the int8
+    matmul takes it, else float32 (a float64 drafter beside a float64 target)."""
+    return dtype if dtype in ACTIVATION_DTYPES else torch.float32
+
+
+def quantize_drafter(model: nn.Module) -> int:
+    """Swap every linear layer of a drafter model (any kind; CPU; 16- or 32-bit float) for
+    `Int8Linear`, except `KEEP`; the target's borrowed embedding and head are not the
+    drafter's modules, so they are never touched. Returns how many were swapped."""
+    first = next(model.parameters())
+    if first.dtype not in ACTIVATION_DTYPES or first.device.type != "cpu":
+        raise IncompatibleModelsError(f"int8 drafter weights need a float32, bfloat16 or float16 drafter on the CPU, "
+                                      f"got {first.dtype} on {first.device}")
     swapped = 0
-    for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, Linear):
-                    setattr(parent, name, Int8Linear(child))
-                    swapped += 1
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Linear) and name not in KEEP:
+                setattr(parent, name, Int8Linear(child))
+                swapped += 1
     return swapped
