@@ -76,8 +76,8 @@ def _load_pipeline(args: argparse.Namespace) -> Pipeline:
                          gate=SpeculationGate() if args.speculation_gate and policy else None,
                          lookup=_lookup(args, policy),
                          dtype=resolve_dtype(args.dtype, args.device),
-                         drafter_dtype=DTYPES.get(args.drafter_dtype) if args.drafter_dtype else None,
-                         drafter_int8=args.drafter_dtype == INT8, device=args.device)
+                         drafter_dtype=DTYPES.get(args.drafter_dtype), drafter_int8=args.drafter_dtype == INT8,
+                         device=args.device)
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:

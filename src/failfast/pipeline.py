@@ -16,7 +16,7 @@ from failfast.decode.engine import GenerationResult, SpeculativeEngine
 from failfast.decode.gate import SpeculationGate
 from failfast.errors import GenerationInputError
 from failfast.model import LoadedModel, load_model
-from failfast.model.int8 import int8_activations, quantize_drafter
+from failfast.model.int8 import load_int8_drafter
 from failfast.model.precision import default_dtype
 from failfast.decode.policies import Policy, PolicyFactory
 from failfast.decode.sampling import SamplingParams
@@ -52,10 +52,9 @@ class Pipeline:
             raise GenerationInputError("a drafter needs a policy (Fixed, FailFast or policies.cost_aware())")
         drf = None
         if drafter is not None:
-            drafter_model = load_model(resolve_model(drafter), dtype=int8_activations(drafter_dtype or dtype)
-                                       if drafter_int8 else drafter_dtype or dtype, device=device)
-            if drafter_int8:
-                quantize_drafter(drafter_model.model)
+            path, compute = resolve_model(drafter), drafter_dtype or dtype
+            drafter_model = (load_int8_drafter(path, compute, device) if drafter_int8
+                             else load_model(path, dtype=compute, device=device))
             drf = make_drafter(tgt, drafter_model, unmask_threshold, denoise, sub_block_size, full_vocab)
         if lookup is not None:
             drf = LookupDrafter(drf, lookup)

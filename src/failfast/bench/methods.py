@@ -19,7 +19,7 @@ from failfast.drafters.block_diffusion import DEFAULT_DENOISE, DEFAULT_UNMASK_TH
 from failfast.bench.oracle import OracleDrafter
 from failfast.decode.engine import SpeculativeEngine
 from failfast.model import LoadedModel, load_model
-from failfast.model.int8 import int8_activations, quantize_drafter
+from failfast.model.int8 import load_int8_drafter
 from failfast.decode.policies import FailFast, Fixed, Policy, PolicyFactory, cost_aware, drafter_failfast
 from failfast.decode.sampling import SamplingParams
 from failfast.decode.stats import GenerationStats
@@ -150,11 +150,10 @@ class MethodFactory:
         self._vllm: dict[str, VllmGenerator] = {}
 
     def _drafter_model(self, which: str, dtype: torch.dtype | None = None, int8: bool = False) -> LoadedModel:
-        key = (which, int8_activations(dtype or self.dtype) if int8 else dtype or self.dtype, int8)
+        key = (which, dtype or self.dtype, int8)
         if key not in self._loaded:
-            self._loaded[key] = load_model(resolve_model(self.paths[which]), dtype=key[1])
-            if int8:
-                quantize_drafter(self._loaded[key].model)
+            path = resolve_model(self.paths[which])
+            self._loaded[key] = load_int8_drafter(path, key[1]) if int8 else load_model(path, dtype=key[1])
         return self._loaded[key]
 
     def _hf_model(self, which: str) -> torch.nn.Module:

@@ -9,10 +9,13 @@ do. The target is never quantized.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import Tensor, nn
 
 from failfast.errors import IncompatibleModelsError
+from failfast.model.checkpoint import LoadedModel, load_model
 from failfast.model.transformer import Linear
 
 # Linear layers that stay as they are: a Transformer drafter's output head (tied to its
@@ -40,10 +43,12 @@ class Int8Linear(nn.Module):
         return out.view(*x.shape[:-1], self.weight_int8.shape[0])
 
 
-def int8_activations(dtype: torch.dtype) -> torch.dtype:
-    """The dtype an int8 drafter computes in for a drafter `dtype`: itself where the int8
+def load_int8_drafter(path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> LoadedModel:
+    """A drafter model with its linear layers quantized, computing in `dtype` where the int8
     matmul takes it, else float32 (a float64 drafter beside a float64 target)."""
-    return dtype if dtype in ACTIVATION_DTYPES else torch.float32
+    loaded = load_model(path, dtype=dtype if dtype in ACTIVATION_DTYPES else torch.float32, device=device)
+    quantize_drafter(loaded.model)
+    return loaded
 
 
 def quantize_drafter(model: nn.Module) -> int:
