@@ -12,6 +12,7 @@ import torch
 from failfast import GenerationInputError, load_model
 from failfast.cli import main
 from failfast.model import precision
+from failfast.model.packed import pack_linears
 from failfast.model.precision import default_dtype, resolve_dtype
 from failfast.model import transformer
 from failfast.model.transformer import attention_mask, batch_invariant_attention, key_blocked_product, linear
@@ -105,14 +106,18 @@ BF16_DEFAULT = pytest.mark.skipif(not precision.cpu_prefers_bf16(), reason="bf16
                                            pytest.param((5, 300), 33, marks=BF16_DEFAULT),
                                            pytest.param((40,), 64, marks=BF16_DEFAULT),
                                            pytest.param((1000, 1020), 33, marks=BF16_DEFAULT)])
-def test_bf16_verification_rounds_like_one_token_decoding(starts, width):
+@pytest.mark.parametrize("packed", [False, True])
+def test_bf16_verification_rounds_like_one_token_decoding(starts, width, packed):
     """In bfloat16 a k-token forward gives bit-identical logits to k one-token forwards: short
     verifications on any native-bf16 CPU; where bf16 is the default also long ones (more rows
     than one kernel block) and contexts whose key range crosses 1,024 during the forward.
-    The layer shapes are the embedded target's."""
+    The layer shapes are the embedded target's; with and without prepacked weights (what
+    `load_model` gives in bfloat16 on a CPU)."""
     cfg = tiny_config(vocab_size=8192, hidden_size=384, intermediate_size=1024, num_attention_heads=6,
                       num_key_value_heads=2, max_position_embeddings=1100)
-    model = random_model(cfg, seed=3).to(torch.bfloat16)
+    model = random_model(cfg, seed=3).to(torch.bfloat16).requires_grad_(False)
+    if packed:
+        assert pack_linears(model) == cfg.num_hidden_layers * 7 + 1
     ids = torch.randint(0, 8192, (1, 1100), generator=torch.Generator().manual_seed(0))
     for start in starts:
         one_cache, many_cache = model.new_cache(1100), model.new_cache(1100)

@@ -10,6 +10,7 @@ from torch import Tensor
 from failfast.errors import GenerationInputError, IncompatibleModelsError
 from failfast.model import LoadedModel
 from failfast.model.kv_cache import KVCache
+from failfast.model.packed import pack_weight
 
 
 class Drafter(Protocol):
@@ -56,7 +57,7 @@ class ModelDrafter:
             if not ids:
                 raise IncompatibleModelsError("the draft vocabulary holds none of the target's tokens")
             self.vocab_ids = torch.tensor(ids, device=self.model.device)
-            self.head_weight = self.model.lm_head.weight.detach()[self.vocab_ids].contiguous()
+            self.head_weight = pack_weight(self.model.lm_head.weight.detach()[self.vocab_ids].contiguous())
         self.forwards = 0
         self.cache = self.model.new_cache(1)
         self.cache_ids: list[int] = []

@@ -15,6 +15,7 @@ from failfast.model.config import ModelConfig
 from failfast.model.device import check_device
 from failfast.model.dflash import DFlashModel
 from failfast.model.eagle3 import Eagle3Model
+from failfast.model.packed import pack_linears
 from failfast.model.tokenizer import Tokenizer
 from failfast.model.transformer import Rotary, Transformer
 
@@ -130,6 +131,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary = Rotary(cfg.head_dim, cfg.rope_theta).to(device)
     model.eval().requires_grad_(False)
+    pack_linears(model)  # bfloat16 on a CPU: weights reordered once for oneDNN (model/packed.py)
     return LoadedModel(model, cfg, _read_tokenizer(folder), folder)
 
 

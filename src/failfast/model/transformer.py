@@ -40,16 +40,25 @@ def row_blocked(op, x: Tensor) -> Tensor:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """`F.linear` over the flattened rows of x, row-blocked in 16 bits."""
+    """`F.linear` over the flattened rows of x, row-blocked in 16 bits; a weight packed by
+    `model/packed.py` (a `torch._mkldnn` tensor) goes to oneDNN's packed product."""
     rows = x.reshape(-1, x.shape[-1])
-    return row_blocked(lambda part: F.linear(part, weight, bias), rows).view(*x.shape[:-1], weight.shape[0])
+    if weight.is_mkldnn:
+        op = lambda part: torch.ops.mkldnn._linear_pointwise(part, weight, bias, "none", [], "")  # noqa: E731
+    else:
+        op = lambda part: F.linear(part, weight, bias)  # noqa: E731
+    return row_blocked(op, rows).view(*x.shape[:-1], weight.shape[0])
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` (same parameters and names) whose 16-bit rows do not depend on the batch."""
+    """`nn.Linear` (same parameters and names) whose 16-bit rows do not depend on the batch.
+    `packed`: the weight prepacked for CPU inference (`model/packed.py`), or None."""
+
+    packed: Tensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias)
+        fresh = self.packed is not None and not self.weight.requires_grad  # training updates the weight
+        return linear(x, self.packed if fresh else self.weight, self.bias)
 
 
 def attention_mask(q_pos: Tensor, k_pos: Tensor, block_size: int | None) -> Tensor:

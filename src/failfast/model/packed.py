@@ -1,0 +1,42 @@
+"""Prepacked bfloat16 weights for CPU inference (docs/design.md, "Prepacked weights").
+
+On the CPU, `F.linear` in bfloat16 hands every call to oneDNN, which first reorders the
+weight into its blocked layout. At our models' row counts (1 to 33 rows) that reorder costs
+about as much as the product: a 1 x 384 x 1024 product takes 45 us, 21 us with the weight
+reordered once at load time (`torch.ops.mkldnn._reorder_linear_weight`, what PyTorch's
+compiler does when it freezes weights) and multiplied by `torch.ops.mkldnn._linear_pointwise`.
+The packed product is the same oneDNN kernel: its rows do not depend on how many rows share
+a call (tests/test_packed.py), so 16-bit verification still rounds like one-token decoding.
+Float32 is left alone: its packed product is not row-invariant on this CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from failfast.model.transformer import Linear
+
+
+def can_pack(weight: Tensor) -> bool:
+    """True for a bfloat16 CPU weight on a PyTorch whose oneDNN runs bf16 natively."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and not weight.requires_grad
+            and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def pack_weight(weight: Tensor) -> Tensor:
+    """The weight [out, in] in oneDNN's blocked layout (an opaque `torch._mkldnn` tensor that
+    `transformer.linear` multiplies with); the weight itself if it cannot be packed."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1) if can_pack(weight) else weight
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Give every `Linear` of an inference model (bfloat16, CPU, no gradients) a packed copy
+    of its weight, which its forward then uses; the parameters stay as they are (state dict,
+    tied embedding). Pack after any `.to()`. Returns how many layers were packed."""
+    packed = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and can_pack(module.weight):
+            module.packed = pack_weight(module.weight)
+            packed += 1
+    return packed

@@ -1,0 +1,65 @@
+"""Prepacked bfloat16 weights (model/packed.py): rows independent of the batch, the same
+products as `F.linear`, parameters untouched, and never used while a weight trains."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from failfast import load_model
+from failfast.model.packed import can_pack, pack_linears, pack_weight
+from failfast.model.transformer import Linear, linear
+from tests.helpers import random_model, tiny_config, write_model
+
+PACKS = pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)),
+                           reason="needs a PyTorch whose oneDNN runs bfloat16 natively on this CPU")
+
+
+@PACKS
+@pytest.mark.parametrize("rows", [1, 2, 9, 32, 33, 70])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_rows_do_not_depend_on_the_batch_and_match_f_linear(rows, bias):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 384, generator=gen).bfloat16()
+    w = torch.randn(1024, 384, generator=gen).bfloat16()
+    b = torch.randn(1024, generator=gen).bfloat16() if bias else None
+    packed = pack_weight(w)
+    assert packed.is_mkldnn
+    out = linear(x, packed, b)
+    one_by_one = torch.cat([linear(x[i:i + 1], packed, b) for i in range(rows)])
+    assert torch.equal(out, one_by_one)
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-2, atol=1e-2)
+
+
+@PACKS
+def test_pack_linears_keeps_parameters_and_ties(tmp_path):
+    loaded = load_model(write_model(tmp_path / "tied", tiny_config(tie_word_embeddings=True), seed=0),
+                        dtype=torch.bfloat16)
+    model = loaded.model
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    assert layers and all(m.packed is not None and m.packed.is_mkldnn for m in layers)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # the tie survives
+    assert not any(t.is_mkldnn for t in model.state_dict().values())
+
+
+def test_nothing_is_packed_in_float32_or_while_training():
+    cfg = tiny_config()
+    model = random_model(cfg, seed=0).requires_grad_(False)
+    assert pack_linears(model) == 0  # float32
+    model = model.bfloat16()
+    assert pack_linears(model.requires_grad_(True)) == 0  # a training model
+
+
+@PACKS
+def test_a_packed_layer_whose_weight_trains_again_uses_the_weight():
+    layer = Linear(16, 8).bfloat16().requires_grad_(False)
+    assert pack_linears(layer) == 1
+    with torch.no_grad():
+        layer.weight.zero_()  # the packed copy is stale now
+    layer.requires_grad_(True)
+    x = torch.randn(3, 16).bfloat16()
+    out = layer(x)
+    assert torch.equal(out, layer.bias.expand(3, 8))
+    out.float().sum().backward()
+    assert layer.weight.grad is not None
