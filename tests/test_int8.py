@@ -12,7 +12,9 @@ from failfast import FailFast, Fixed, SpeculativeEngine, load_model, make_drafte
 from failfast.cli import main
 from failfast.decode.engine import GenerationRequest
 from failfast.errors import IncompatibleModelsError
-from failfast.model.int8 import Int8Linear, quantize_drafter
+from failfast import pipeline
+from failfast.model.checkpoint import read_config
+from failfast.model.int8 import Int8Linear, int8_pays, quantize_drafter
 from failfast.model.transformer import Linear
 from tests.helpers import prompt_of
 
@@ -80,3 +82,28 @@ def test_cli_drafter_dtype_int8(random_models, capsys):
     out = json.loads(capsys.readouterr().out)
     plain = SpeculativeEngine(load_model(target, dtype=torch.float64)).generate([3, 4, 5], 12)
     assert code == 0 and out["token_ids"] == plain.token_ids and out["stats"]["drafter_forwards"] > 0
+
+
+@pytest.mark.parametrize("kind, dtype, device, expected", [
+    ("random-dllm", torch.bfloat16, "cpu", True), ("random-ar", torch.bfloat16, "cpu", True),
+    ("random-eagle3", torch.bfloat16, "cpu", False), ("random-dflash", torch.bfloat16, "cpu", False),
+    ("random-dllm", torch.float32, "cpu", False), ("random-dllm", torch.float64, "cpu", False),
+    ("random-dllm", torch.bfloat16, "cuda", False)])
+def test_int8_is_the_default_only_where_it_measured_faster(random_models, kind, dtype, device, expected):
+    """bfloat16 drafters that read only tokens, on a CPU; never where exactness tests run (float64)."""
+    assert int8_pays(read_config(random_models[kind]), dtype, device) is expected
+
+
+@pytest.mark.parametrize("flag, int8", [([], True), (["--drafter-dtype", "bfloat16"], False),
+                                        (["--drafter-dtype", "int8"], True)])
+def test_cli_drafter_dtype_auto_picks_int8_where_it_pays(monkeypatch, random_models, capsys, flag, int8):
+    """With the default --drafter-dtype auto a bfloat16 block-diffusion drafter gets int8
+    weights; a named dtype keeps its float weights."""
+    loaded = []
+    real = pipeline.load_drafter
+    monkeypatch.setattr(pipeline, "load_drafter", lambda *a, **k: loaded.append(real(*a, **k)) or loaded[-1])
+    code = main(["generate", "--target", str(random_models["target"]), "--drafter", str(random_models["random-dllm"]),
+                 "--no-lookup", "--prompt-ids", "3,4,5", "--max-new-tokens", "6", "--json", "--dtype", "bfloat16",
+                 *flag])
+    assert code == 0 and json.loads(capsys.readouterr().out)["stats"]["drafter_forwards"] > 0
+    assert any(isinstance(m, Int8Linear) for m in loaded[0].model.modules()) is int8

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from failfast import GenerationInputError, load_model
+from failfast import GenerationInputError, load_model, make_drafter
 from failfast.cli import main
 from failfast.model import precision
 from failfast.model.packed import pack_linears
@@ -131,12 +131,27 @@ def test_bf16_verification_rounds_like_one_token_decoding(starts, width, packed)
 def test_cli_drafter_dtype_applies_to_the_drafter_only(monkeypatch, capsys, random_models):
     seen = {}
 
-    def recording_load(path, dtype, device):
+    def recording_load(path, dtype, device, int8=None):
         seen[Path(path).name] = dtype
         return load_model(path, dtype=dtype, device=device)
     monkeypatch.setattr("failfast.pipeline.load_model", recording_load)
+    monkeypatch.setattr("failfast.pipeline.load_drafter", recording_load)
     code = main(["generate", "--target", str(random_models["target"]), "--drafter", str(random_models["random-dllm"]),
                  "--policy", "fixed", "--k", "3", "--prompt-ids", "3,4", "--max-new-tokens", "4", "--json",
                  "--dtype", "float64", "--drafter-dtype", "float32"])
     assert code == 0 and json.loads(capsys.readouterr().out)["stats"]["tokens"] == 4
     assert seen == {random_models["target"].name: torch.float64, random_models["random-dllm"].name: torch.float32}
+
+
+def test_drafters_take_fast_attention_and_a_model_that_also_verifies_does_not(random_models):
+    """A drafter's own model runs SDPA in 16 bits (its rounding never reaches the output); the
+    target, and a drafter that is the target's very model, keep batch-invariant attention."""
+    target = load_model(random_models["target"], dtype=torch.bfloat16)
+    exact = lambda loaded: {m.batch_invariant for m in loaded.model.modules()  # noqa: E731
+                            if isinstance(m, transformer.Attention)}
+    for name in ("random-dllm", "random-ar"):
+        drafter = load_model(random_models[name], dtype=torch.bfloat16)
+        make_drafter(target, drafter)
+        assert exact(drafter) == {False} and exact(target) == {True}
+    make_drafter(target, target)
+    assert exact(target) == {True}

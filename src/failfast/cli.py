@@ -76,8 +76,13 @@ def _load_pipeline(args: argparse.Namespace) -> Pipeline:
                          gate=SpeculationGate() if args.speculation_gate and policy else None,
                          lookup=_lookup(args, policy),
                          dtype=resolve_dtype(args.dtype, args.device),
-                         drafter_dtype=DTYPES.get(args.drafter_dtype), drafter_int8=args.drafter_dtype == INT8,
+                         drafter_dtype=DTYPES.get(args.drafter_dtype), drafter_int8=_drafter_int8(args.drafter_dtype),
                          device=args.device)
+
+
+def _drafter_int8(drafter_dtype: str) -> bool | None:
+    """--drafter-dtype int8: int8 weights; auto: where they measured faster (None); a dtype: none."""
+    return True if drafter_dtype == INT8 else None if drafter_dtype == "auto" else False
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
@@ -336,9 +341,10 @@ def _add_model_flags(g: argparse.ArgumentParser) -> None:
                    help="ignore the drafter's draft_vocab.json (its output head over every token)")
     g.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
                    help="auto: bfloat16 on CUDA and on AVX512-BF16 CPUs without AMX, float32 elsewhere (README, \"Precision\")")
-    g.add_argument("--drafter-dtype", choices=[*sorted(DTYPES), INT8],
-                   help="the drafter's dtype (default: --dtype's; int8: int8 weights in the drafter's linear layers, "
-                        "activations in --dtype's, CPU); drafts only, so never changes the output")
+    g.add_argument("--drafter-dtype", choices=["auto", *sorted(DTYPES), INT8], default="auto",
+                   help="the drafter's dtype (int8: int8 weights in the drafter's linear layers, activations in "
+                        "--dtype's, CPU; auto: --dtype's, with int8 weights where they measured faster: a bfloat16 "
+                        "block-diffusion, EAGLE-3 or AR drafter on a CPU); drafts only, so never changes the output")
     g.add_argument("--device", default="cpu")
 
 

@@ -16,7 +16,7 @@ from failfast.decode.engine import GenerationResult, SpeculativeEngine
 from failfast.decode.gate import SpeculationGate
 from failfast.errors import GenerationInputError
 from failfast.model import LoadedModel, load_model
-from failfast.model.int8 import load_int8_drafter
+from failfast.model.int8 import load_drafter
 from failfast.model.precision import default_dtype
 from failfast.decode.policies import Policy, PolicyFactory
 from failfast.decode.sampling import SamplingParams
@@ -38,9 +38,10 @@ class Pipeline:
              unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD, denoise: str = DEFAULT_DENOISE, sub_block_size: int | None = None,
              dtype: torch.dtype | None = None, drafter_dtype: torch.dtype | None = None,
              device: str = "cpu", full_vocab: bool = False, gate: SpeculationGate | None = None,
-             lookup: LookupSettings | None = None, drafter_int8: bool = False) -> "Pipeline":
+             lookup: LookupSettings | None = None, drafter_int8: bool | None = None) -> "Pipeline":
         """`drafter_dtype` (default: `dtype`), `drafter_int8` (the drafter's linear layers in
-        int8, activations in its dtype, float32 for a float64 one; CPU), `full_vocab` (ignore the drafter's draft vocabulary),
+        int8, activations in its dtype, float32 for a float64 one; CPU; default: where it
+        measured faster, `model/int8.py`), `full_vocab` (ignore the drafter's draft vocabulary),
         `gate` (skip drafting in rounds where plain rounds measure faster) and `lookup` (draft
         copies of earlier text first; alone when there is no drafter) never change the output,
         only the cost."""
@@ -53,8 +54,7 @@ class Pipeline:
         drf = None
         if drafter is not None:
             path, compute = resolve_model(drafter), drafter_dtype or dtype
-            drafter_model = (load_int8_drafter(path, compute, device) if drafter_int8
-                             else load_model(path, dtype=compute, device=device))
+            drafter_model = load_drafter(path, compute, device, drafter_int8)
             drf = make_drafter(tgt, drafter_model, unmask_threshold, denoise, sub_block_size, full_vocab)
         if lookup is not None:
             drf = LookupDrafter(drf, lookup)

@@ -19,7 +19,7 @@ from failfast.drafters.block_diffusion import DEFAULT_DENOISE, DEFAULT_UNMASK_TH
 from failfast.bench.oracle import OracleDrafter
 from failfast.decode.engine import SpeculativeEngine
 from failfast.model import LoadedModel, load_model
-from failfast.model.int8 import load_int8_drafter
+from failfast.model.int8 import load_drafter
 from failfast.decode.policies import FailFast, Fixed, Policy, PolicyFactory, cost_aware, drafter_failfast
 from failfast.decode.sampling import SamplingParams
 from failfast.decode.stats import GenerationStats
@@ -47,7 +47,7 @@ class MethodSpec:
     sub_block_size: int | None = None  # None: the drafter's config
     schedule: str | None = None    # transformers assisted generation schedule
     drafter_dtype: torch.dtype | None = None  # None: the target's dtype
-    drafter_int8: bool = False  # the drafter's linear layers with int8 weights (model/int8.py)
+    drafter_int8: bool | None = None  # int8 weights in the drafter's linear layers; None: where they pay (model/int8.py)
     full_vocab: bool = False       # ignore the drafter's draft_vocab.json (the head over every token)
     lookup: LookupSettings | None = None  # prompt lookup in front of the drafter (kind "lookup": alone)
 
@@ -93,7 +93,10 @@ def default_methods() -> list[MethodSpec]:
         MethodSpec("failfast-s4", "dllm-drafter", ff, sub_block_size=4),
         MethodSpec("failfast-s16", "dllm-drafter", ff, sub_block_size=16),
         MethodSpec("failfast-drafter-fp32", "dllm-drafter", ff, drafter_dtype=torch.float32),
-        MethodSpec("failfast-drafter-int8", "dllm-drafter", ff, drafter_int8=True),
+        # int8 drafter weights (model/int8.py): on by default where they pay, so the A/B of each
+        # kind is the method against its -no-int8 or -int8 twin
+        MethodSpec("failfast-no-int8", "dllm-drafter", ff, drafter_int8=False),
+        MethodSpec("ar-fixed-8-no-int8", "ar-drafter", Fixed(8), drafter_int8=False),
         MethodSpec("failfast-eagle3-int8", "eagle3-drafter", drafter_failfast(), drafter_int8=True),
         MethodSpec("failfast-dflash-int8", "dflash-drafter", drafter_failfast(), drafter_int8=True),
         MethodSpec("failfast-cost", "dllm-drafter", cost_aware()),  # costs measured on the first prompt
@@ -123,8 +126,8 @@ def default_methods() -> list[MethodSpec]:
                      lookup=LookupSettings(min_ngram=2)) for kind, drafter in LOOKUP_KINDS),
         *(MethodSpec(f"failfast-lookup-{k}", "dllm-drafter", drafter_failfast(), lookup=LookupSettings(max_tokens=k))
           for k in (4, 16)),
-        MethodSpec("failfast-lookup-drafter-int8", "dllm-drafter", drafter_failfast(), lookup=LookupSettings(),
-                   drafter_int8=True),
+        MethodSpec("failfast-lookup-no-int8", "dllm-drafter", drafter_failfast(), lookup=LookupSettings(),
+                   drafter_int8=False),
         MethodSpec("oracle", "oracle", Fixed(60)),
         # vLLM on the same weights, when installed (the vllm extra): plain, its own speculative
         # methods, and our proposer inside it (integrations/vllm_peers.py)
@@ -149,11 +152,10 @@ class MethodFactory:
         self._hf: dict[str, torch.nn.Module] = {}
         self._vllm: dict[str, VllmGenerator] = {}
 
-    def _drafter_model(self, which: str, dtype: torch.dtype | None = None, int8: bool = False) -> LoadedModel:
+    def _drafter_model(self, which: str, dtype: torch.dtype | None = None, int8: bool | None = None) -> LoadedModel:
         key = (which, dtype or self.dtype, int8)
         if key not in self._loaded:
-            path = resolve_model(self.paths[which])
-            self._loaded[key] = load_int8_drafter(path, key[1]) if int8 else load_model(path, dtype=key[1])
+            self._loaded[key] = load_drafter(resolve_model(self.paths[which]), key[1], int8=int8)
         return self._loaded[key]
 
     def _hf_model(self, which: str) -> torch.nn.Module:

@@ -13,6 +13,7 @@ from failfast.drafters.dflash import DFlashDrafter
 from failfast.drafters.eagle3 import Eagle3Drafter
 from failfast.errors import CheckpointError, IncompatibleModelsError
 from failfast.model import LoadedModel, ModelDescription
+from failfast.model.transformer import fast_drafting_attention
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 
@@ -66,6 +67,8 @@ def make_drafter(target: LoadedModel | ModelDescription, drafter: LoadedModel,
         raise IncompatibleModelsError(
             f"drafter {drafter.path} reads the target's hidden states, so it needs the target loaded in "
             "failfast's engine; a target that runs elsewhere takes an AR or block-diffusion drafter")
+    if getattr(target, "model", None) is not drafter.model:  # a model that also verifies keeps exact attention
+        fast_drafting_attention(drafter.model)
     if drafter.config.is_dflash:
         return DFlashDrafter(drafter, target, limit, vocab)
     if drafter.config.is_eagle3:

@@ -149,6 +149,11 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
+    # 16-bit attention over a cache that rounds the same for one query and for many (what
+    # verification needs); a drafter's model turns it off for SDPA's faster kernels
+    # (`fast_drafting_attention`): drafts only propose, so their rounding never changes the output.
+    batch_invariant = True
+
     def __init__(self, cfg: ModelConfig, in_features: int | None = None) -> None:
         """`in_features`: the width of what q/k/v project (the hidden size unless given: an
         EAGLE-3 layer reads token embedding and feature side by side)."""
@@ -194,7 +199,7 @@ class Attention(nn.Module):
             q = start.to_padded(q[0].transpose(0, 1)).transpose(1, 2)  # [rows, heads, width, head_dim]
         elif cache is not None:
             k, v = cache.write(layer, start, k, v, context_end)
-        if cache is not None and q.dtype in HALF_DTYPES:
+        if cache is not None and q.dtype in HALF_DTYPES and self.batch_invariant:
             out = batch_invariant_attention(q, k, v, mask)  # inference in 16 bits: lossless verification
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
@@ -202,6 +207,14 @@ class Attention(nn.Module):
         if isinstance(start, Ragged):
             out = start.to_packed(out)[None]
         return self.o_proj(out.reshape(b, t, self.n_heads * self.head_dim))
+
+
+def fast_drafting_attention(model: nn.Module) -> None:
+    """Let a drafter's model use SDPA in 16 bits (about 0.2 ms less per pass of the embedded
+    block-diffusion drafter). Never for a model that also verifies."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.batch_invariant = False
 
 
 class MLP(nn.Module):
