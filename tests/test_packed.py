@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from failfast import load_model
 from failfast.model.packed import can_pack, pack_linears, pack_weight
-from failfast.model.transformer import Linear, linear
+from failfast.model.transformer import MLP, Attention, Linear, linear
 from tests.helpers import random_model, tiny_config, write_model
 
 PACKS = pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)),
@@ -63,3 +63,22 @@ def test_a_packed_layer_whose_weight_trains_again_uses_the_weight():
     assert torch.equal(out, layer.bias.expand(3, 8))
     out.float().sum().backward()
     assert layer.weight.grad is not None
+
+
+@PACKS
+@pytest.mark.parametrize("qk_norm, bias", [(False, True), (True, False)])
+def test_a_packed_model_computes_what_the_unpacked_one_does(qk_norm, bias):
+    """Fused q/k/v and gate/up products (Qwen2 with biases, Qwen3 with q/k norms): the same
+    logits as separate unpacked layers, for one token and for several."""
+    cfg = tiny_config(vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                      num_key_value_heads=2, qk_norm=qk_norm, attention_bias=bias)
+    plain = random_model(cfg, seed=5).to(torch.bfloat16).requires_grad_(False)
+    packed = random_model(cfg, seed=5).to(torch.bfloat16).requires_grad_(False)
+    pack_linears(packed)
+    assert all(m.qkv is not None for m in packed.modules() if isinstance(m, Attention))
+    assert all(m.gate_up is not None for m in packed.modules() if isinstance(m, MLP))
+    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(1))
+    caches = plain.new_cache(64), packed.new_cache(64)
+    for start, end in ((0, 30), (30, 31), (31, 40)):
+        want, got = (model(ids[:, start:end], start, cache) for model, cache in zip((plain, packed), caches))
+        assert torch.equal(want, got), (start, end)

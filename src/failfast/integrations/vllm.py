@@ -41,7 +41,8 @@ from failfast.drafters.block_diffusion import DEFAULT_DENOISE, DEFAULT_UNMASK_TH
 from failfast.drafters.lookup import LookupDrafter, LookupSettings
 from failfast.embedded import DEFAULT_DRAFTER, resolve_model
 from failfast.errors import GenerationInputError
-from failfast.model import KVCache, describe_model, load_model
+from failfast.model import KVCache, describe_model
+from failfast.model.int8 import load_drafter
 from failfast.model.precision import resolve_dtype
 
 CONFIG_ENV = "FAILFAST_VLLM_CONFIG"
@@ -53,7 +54,8 @@ class ProposerConfig:
 
     `drafter`: a checkpoint folder or embedded name (an AR or block-diffusion drafter: DFlash
     and EAGLE-3 read target hidden states that the hook does not pass). `dtype`: the drafter's
-    ("auto": bfloat16 where it is fast). `batched`: draft every row of a step together in one
+    ("auto": bfloat16 where it is fast; a bfloat16 drafter on a CPU gets int8 weights, as in
+    `failfast generate`). `batched`: draft every row of a step together in one
     forward per pass (same drafts as one row at a time). `gate`: skip drafting in steps where
     plain steps measure faster (decode/gate.py; the rate of a step is the tokens vLLM
     committed in it over the time from one `propose` call to the next). `lookup_tokens`:
@@ -113,7 +115,8 @@ class FailFastProposer:
         self.max_draft = int(spec.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         target = describe_model(vllm_config.model_config.model)
-        loaded = load_model(resolve_model(self.config.drafter), dtype=resolve_dtype(self.config.dtype))
+        # int8 weights where they measured faster, as `failfast generate` does (model/int8.py)
+        loaded = load_drafter(resolve_model(self.config.drafter), resolve_dtype(self.config.dtype))
         self.drafter = make_drafter(target, loaded, self.config.unmask_threshold, self.config.denoise)
         if self.config.lookup_tokens is not None:
             self.drafter = LookupDrafter(self.drafter, LookupSettings(max_tokens=self.config.lookup_tokens))

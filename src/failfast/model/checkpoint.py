@@ -102,8 +102,9 @@ def _read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
 
 
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> LoadedModel:
-    """Load config.json, safetensors weights and (if present) tokenizer.json from a folder."""
+               device: str | torch.device = "cpu", pack: bool = True) -> LoadedModel:
+    """Load config.json, safetensors weights and (if present) tokenizer.json from a folder;
+    `pack`: bfloat16 weights prepacked for the CPU (`model/packed.py`), the default."""
     device = check_device(device, dtype)
     folder = Path(path)
     if not folder.is_dir():
@@ -131,7 +132,8 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary = Rotary(cfg.head_dim, cfg.rope_theta).to(device)
     model.eval().requires_grad_(False)
-    pack_linears(model)  # bfloat16 on a CPU: weights reordered once for oneDNN (model/packed.py)
+    if pack:
+        pack_linears(model)  # bfloat16 on a CPU: weights reordered once for oneDNN (model/packed.py)
     return LoadedModel(model, cfg, _read_tokenizer(folder), folder)
 
 

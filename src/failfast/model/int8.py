@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from failfast.errors import IncompatibleModelsError
 from failfast.model.checkpoint import LoadedModel, load_model, read_config
 from failfast.model.config import ModelConfig
+from failfast.model.packed import pack_linears
 from failfast.model.transformer import Linear
 
 # Linear layers that stay as they are: a Transformer drafter's output head (tied to its
@@ -64,8 +65,9 @@ def load_drafter(path: str | Path, dtype: torch.dtype, device: str | torch.devic
 def load_int8_drafter(path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> LoadedModel:
     """A drafter model with its linear layers quantized, computing in `dtype` where the int8
     matmul takes it, else float32 (a float64 drafter beside a float64 target)."""
-    loaded = load_model(path, dtype=dtype if dtype in ACTIVATION_DTYPES else torch.float32, device=device)
+    loaded = load_model(path, dtype=dtype if dtype in ACTIVATION_DTYPES else torch.float32, device=device, pack=False)
     quantize_drafter(loaded.model)
+    pack_linears(loaded.model)  # what stays in bf16 (head, feature fusion)
     return loaded
 
 

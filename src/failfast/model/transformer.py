@@ -153,6 +153,9 @@ class Attention(nn.Module):
     # verification needs); a drafter's model turns it off for SDPA's faster kernels
     # (`fast_drafting_attention`): drafts only propose, so their rounding never changes the output.
     batch_invariant = True
+    # q, k and v projections in one packed weight (and bias), set by `model/packed.py`
+    qkv: Tensor | None = None
+    qkv_bias: Tensor | None = None
 
     def __init__(self, cfg: ModelConfig, in_features: int | None = None) -> None:
         """`in_features`: the width of what q/k/v project (the hidden size unless given: an
@@ -171,29 +174,43 @@ class Attention(nn.Module):
 
     def queries(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
         """Rotated queries [B, heads, T, head_dim] of hidden states [B, T, hidden]."""
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q = self.q_norm(q)
-        return apply_rotary(q.transpose(1, 2), *rope)
+        return self._rotated_queries(self.q_proj(x), rope)
 
     def keys_values(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         """Rotated keys and values [B, kv_heads, T, head_dim] of hidden states [B, T, hidden]
         (a target-conditioned drafter also projects target features with them)."""
-        b, t, _ = x.shape
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
+        return self._rotated_keys_values(self.k_proj(x), self.v_proj(x), rope)
+
+    def _rotated_queries(self, q: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+        b, t, _ = q.shape
+        q = q.view(b, t, self.n_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q = self.q_norm(q)
+        return apply_rotary(q.transpose(1, 2), *rope)
+
+    def _rotated_keys_values(self, k: Tensor, v: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        b, t, _ = k.shape
+        k = k.view(b, t, self.n_kv, self.head_dim)
         if hasattr(self, "k_norm"):
             k = self.k_norm(k)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.reshape(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         return apply_rotary(k.transpose(1, 2), *rope), v
+
+    def _projections(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v projections of x: one packed product when `qkv` is set (inference), else three."""
+        if self.qkv is None or self.q_proj.weight.requires_grad:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        kv = self.n_kv * self.head_dim
+        return linear(x, self.qkv, self.qkv_bias).split([self.n_heads * self.head_dim, kv, kv], dim=-1)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None,
                 cache: KVCache | None, layer: int, start: int | Ragged, context_end: int | None) -> Tensor:
         """`start`: the first position of every row, or a packed forward of several cache rows
         (`Ragged`; x is [1, N, hidden], attention runs on its padded layout)."""
         b, t, _ = x.shape
-        q = self.queries(x, rope)
-        k, v = self.keys_values(x, rope)
+        q, k, v = self._projections(x)
+        q = self._rotated_queries(q, rope)
+        k, v = self._rotated_keys_values(k, v, rope)
         if isinstance(start, Ragged):
             k, v = cache.write_ragged(layer, start, k[0].transpose(0, 1), v[0].transpose(0, 1), context_end)
             q = start.to_padded(q[0].transpose(0, 1)).transpose(1, 2)  # [rows, heads, width, head_dim]
@@ -218,6 +235,8 @@ def fast_drafting_attention(model: nn.Module) -> None:
 
 
 class MLP(nn.Module):
+    gate_up: Tensor | None = None  # gate and up projections in one packed weight (`model/packed.py`)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -225,7 +244,11 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None or self.gate_proj.weight.requires_grad:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = linear(x, self.gate_up).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
