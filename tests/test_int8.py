@@ -15,7 +15,7 @@ from failfast.errors import IncompatibleModelsError
 from failfast import pipeline
 from failfast.model.checkpoint import read_config
 from failfast.model.int8 import Int8Linear, int8_pays, quantize_drafter
-from failfast.model.transformer import Linear
+from failfast.model.transformer import MLP, Attention, Linear
 from tests.helpers import prompt_of
 
 
@@ -38,6 +38,20 @@ def test_quantizing_swaps_every_layer_linear_and_keeps_head_and_fusion(random_mo
     kept = {name.rsplit(".", 1)[-1] for name, m in drafter.model.named_modules() if type(m) is Linear}
     assert kept <= {"lm_head", "fc"}
     assert drafter.model.dtype == torch.float32
+    # q/k/v and gate/up also run as one int8 product each: the separate int8 layers' numbers
+    fused = 0
+    for module in drafter.model.modules():
+        if isinstance(module, Attention):
+            x = torch.randn(3, 5, module.q_proj.weight_int8.shape[1])
+            layers, product = (module.q_proj, module.k_proj, module.v_proj), module.qkv
+        elif isinstance(module, MLP):
+            x = torch.randn(3, 5, module.gate_proj.weight_int8.shape[1])
+            layers, product = (module.gate_proj, module.up_proj), module.gate_up
+        else:
+            continue
+        torch.testing.assert_close(product(x), torch.cat([layer(x) for layer in layers], dim=-1))
+        fused += 1
+    assert fused == 2 * max(drafter.model.config.num_hidden_layers, 1)
 
 
 def test_int8_needs_a_16_or_32_bit_drafter(random_models):
@@ -85,24 +99,24 @@ def test_cli_drafter_dtype_int8(random_models, capsys):
 
 
 @pytest.mark.parametrize("kind, dtype, device, expected", [
-    ("random-dllm", torch.bfloat16, "cpu", True), ("random-ar", torch.bfloat16, "cpu", True),
+    ("random-ar", torch.bfloat16, "cpu", True), ("random-dllm", torch.bfloat16, "cpu", False),
     ("random-eagle3", torch.bfloat16, "cpu", False), ("random-dflash", torch.bfloat16, "cpu", False),
-    ("random-dllm", torch.float32, "cpu", False), ("random-dllm", torch.float64, "cpu", False),
-    ("random-dllm", torch.bfloat16, "cuda", False)])
+    ("random-ar", torch.float32, "cpu", False), ("random-ar", torch.float64, "cpu", False),
+    ("random-ar", torch.bfloat16, "cuda", False)])
 def test_int8_is_the_default_only_where_it_measured_faster(random_models, kind, dtype, device, expected):
-    """bfloat16 drafters that read only tokens, on a CPU; never where exactness tests run (float64)."""
+    """bfloat16 AR drafters on a CPU; never where exactness tests run (float64)."""
     assert int8_pays(read_config(random_models[kind]), dtype, device) is expected
 
 
 @pytest.mark.parametrize("flag, int8", [([], True), (["--drafter-dtype", "bfloat16"], False),
                                         (["--drafter-dtype", "int8"], True)])
 def test_cli_drafter_dtype_auto_picks_int8_where_it_pays(monkeypatch, random_models, capsys, flag, int8):
-    """With the default --drafter-dtype auto a bfloat16 block-diffusion drafter gets int8
-    weights; a named dtype keeps its float weights."""
+    """With the default --drafter-dtype auto a bfloat16 AR drafter gets int8 weights; a named
+    dtype keeps its float weights."""
     loaded = []
     real = pipeline.load_drafter
     monkeypatch.setattr(pipeline, "load_drafter", lambda *a, **k: loaded.append(real(*a, **k)) or loaded[-1])
-    code = main(["generate", "--target", str(random_models["target"]), "--drafter", str(random_models["random-dllm"]),
+    code = main(["generate", "--target", str(random_models["target"]), "--drafter", str(random_models["random-ar"]),
                  "--no-lookup", "--prompt-ids", "3,4,5", "--max-new-tokens", "6", "--json", "--dtype", "bfloat16",
                  *flag])
     assert code == 0 and json.loads(capsys.readouterr().out)["stats"]["drafter_forwards"] > 0

@@ -344,7 +344,7 @@ def _add_model_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--drafter-dtype", choices=["auto", *sorted(DTYPES), INT8], default="auto",
                    help="the drafter's dtype (int8: int8 weights in the drafter's linear layers, activations in "
                         "--dtype's, CPU; auto: --dtype's, with int8 weights where they measured faster: a bfloat16 "
-                        "block-diffusion, EAGLE-3 or AR drafter on a CPU); drafts only, so never changes the output")
+                        "AR drafter on a CPU); drafts only, so never changes the output")
     g.add_argument("--device", default="cpu")
 
 

@@ -95,7 +95,7 @@ def default_methods() -> list[MethodSpec]:
         MethodSpec("failfast-drafter-fp32", "dllm-drafter", ff, drafter_dtype=torch.float32),
         # int8 drafter weights (model/int8.py): on by default where they pay, so the A/B of each
         # kind is the method against its -no-int8 or -int8 twin
-        MethodSpec("failfast-no-int8", "dllm-drafter", ff, drafter_int8=False),
+        MethodSpec("failfast-drafter-int8", "dllm-drafter", ff, drafter_int8=True),
         MethodSpec("ar-fixed-8-no-int8", "ar-drafter", Fixed(8), drafter_int8=False),
         MethodSpec("failfast-eagle3-int8", "eagle3-drafter", drafter_failfast(), drafter_int8=True),
         MethodSpec("failfast-dflash-int8", "dflash-drafter", drafter_failfast(), drafter_int8=True),
@@ -126,8 +126,8 @@ def default_methods() -> list[MethodSpec]:
                      lookup=LookupSettings(min_ngram=2)) for kind, drafter in LOOKUP_KINDS),
         *(MethodSpec(f"failfast-lookup-{k}", "dllm-drafter", drafter_failfast(), lookup=LookupSettings(max_tokens=k))
           for k in (4, 16)),
-        MethodSpec("failfast-lookup-no-int8", "dllm-drafter", drafter_failfast(), lookup=LookupSettings(),
-                   drafter_int8=False),
+        MethodSpec("failfast-lookup-drafter-int8", "dllm-drafter", drafter_failfast(), lookup=LookupSettings(),
+                   drafter_int8=True),
         MethodSpec("oracle", "oracle", Fixed(60)),
         # vLLM on the same weights, when installed (the vllm extra): plain, its own speculative
         # methods, and our proposer inside it (integrations/vllm_peers.py)

@@ -9,7 +9,9 @@ do. The target is never quantized.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -18,7 +20,7 @@ from failfast.errors import IncompatibleModelsError
 from failfast.model.checkpoint import LoadedModel, load_model, read_config
 from failfast.model.config import ModelConfig
 from failfast.model.packed import pack_linears
-from failfast.model.transformer import Linear
+from failfast.model.transformer import Linear, fuse_projections
 
 # Linear layers that stay as they are: a Transformer drafter's output head (tied to its
 # embedding), and the feature fusion `fc` of DFlash / EAGLE-3 drafters (their dtype and
@@ -27,30 +29,51 @@ KEEP = ("lm_head", "fc")
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def quantize(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric per-output-channel int8 weights [out, in] and their scales (in the weight's dtype)."""
+    weight = weight.detach()
+    scale = weight.float().abs().amax(dim=1).clamp(min=1e-12) / 127
+    return (weight.float() / scale[:, None]).round().to(torch.int8), scale.to(weight.dtype)
+
+
+def int8_linear(x: Tensor, weight_int8: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x @ (weight_int8 * scale).T + bias over the last dimension of x, in x's dtype."""
+    out = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), weight_int8, scale)
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], weight_int8.shape[0])
+
+
 class Int8Linear(nn.Module):
     """A `Linear` with symmetric per-output-channel int8 weights; activations keep their dtype."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        weight = linear.weight.detach()
-        scale = weight.float().abs().amax(dim=1).clamp(min=1e-12) / 127
-        self.register_buffer("weight_int8", (weight.float() / scale[:, None]).round().to(torch.int8))
-        self.register_buffer("scale", scale.to(weight.dtype))
+        weight_int8, scale = quantize(linear.weight)
+        self.register_buffer("weight_int8", weight_int8)
+        self.register_buffer("scale", scale)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: Tensor) -> Tensor:
-        out = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.weight_int8, self.scale)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.view(*x.shape[:-1], self.weight_int8.shape[0])
+        return int8_linear(x, self.weight_int8, self.scale, self.bias)
+
+
+def _int8_product(layers: Sequence[nn.Module]) -> Callable[[Tensor], Tensor]:
+    """One int8 product of float layers side by side (per-channel scales: the same numbers as
+    quantizing each layer alone)."""
+    weight_int8, scale = quantize(torch.cat([layer.weight.detach() for layer in layers]))
+    biases = [layer.bias for layer in layers]
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+    return partial(int8_linear, weight_int8=weight_int8, scale=scale, bias=bias)
 
 
 def int8_pays(config: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu") -> bool:
-    """Whether a drafter gets int8 weights by default: on a CPU, in bfloat16, for the kinds
-    where int8 drafting measured faster (README, "Int8 drafters"): the drafters that read only
-    tokens (block diffusion: +20% tokens/s, AR: +32%). Not DFlash (-5% to -8%) nor EAGLE-3
-    (+9% on held-out functions, -3% on HumanEval), which read target features."""
-    return torch.device(device).type == "cpu" and dtype == torch.bfloat16 and not config.reads_target
+    """Whether a drafter gets int8 weights by default: on a CPU, in bfloat16, for the kind
+    where int8 drafting measured faster than packed bf16 weights (README, "Int8 drafters"): an
+    AR drafter (one-row chain passes, +9% to +14% tokens/s). Block diffusion (-3%), DFlash
+    (-8%) and EAGLE-3 (-4%) drafted no faster end to end."""
+    return (torch.device(device).type == "cpu" and dtype == torch.bfloat16 and not config.reads_target
+            and not config.is_block_diffusion)
 
 
 def load_drafter(path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
@@ -79,6 +102,7 @@ def quantize_drafter(model: nn.Module) -> int:
     if first.dtype not in ACTIVATION_DTYPES or first.device.type != "cpu":
         raise IncompatibleModelsError(f"int8 drafter weights need a float32, bfloat16 or float16 drafter on the CPU, "
                                       f"got {first.dtype} on {first.device}")
+    fuse_projections(model, _int8_product)  # from the float weights, before they are swapped
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

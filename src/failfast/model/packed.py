@@ -12,10 +12,13 @@ Float32 is left alone: its packed product is not row-invariant on this CPU.
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Callable, Sequence
+
 import torch
 from torch import Tensor, nn
 
-from failfast.model.transformer import MLP, Attention, Linear
+from failfast.model.transformer import Linear, fuse_projections, linear
 
 
 def can_pack(weight: Tensor) -> bool:
@@ -34,7 +37,7 @@ def pack_linears(model: nn.Module) -> int:
     """Give every `Linear` of an inference model (bfloat16, CPU, no gradients) a packed copy
     of its weight, which its forward then uses; the parameters stay as they are (state dict,
     tied embedding). Attention's q/k/v and the MLP's gate/up projections also get one packed
-    weight each, so that they run as one product (fewer calls, the same columns). Pack after
+    weight each, so that they run as one product (the same columns, fewer calls). Pack after
     any `.to()` and after int8 quantization (whose layers it leaves alone). Returns how many
     layers were packed."""
     packed = 0
@@ -42,19 +45,15 @@ def pack_linears(model: nn.Module) -> int:
         if isinstance(module, Linear) and can_pack(module.weight):
             module.packed = pack_weight(module.weight)
             packed += 1
-        elif isinstance(module, Attention) and _packable(module.q_proj, module.k_proj, module.v_proj):
-            module.qkv = _fused(module.q_proj, module.k_proj, module.v_proj)
-            biases = [p.bias for p in (module.q_proj, module.k_proj, module.v_proj)]
-            module.qkv_bias = None if biases[0] is None else torch.cat(biases)
-        elif isinstance(module, MLP) and _packable(module.gate_proj, module.up_proj):
-            module.gate_up = _fused(module.gate_proj, module.up_proj)
+    fuse_projections(model, _packed_product)
     return packed
 
 
-def _packable(*layers: nn.Module) -> bool:
-    return all(isinstance(layer, Linear) and can_pack(layer.weight) for layer in layers)
-
-
-def _fused(*layers: Linear) -> Tensor:
-    """One packed weight whose output columns are the layers' outputs side by side."""
-    return pack_weight(torch.cat([layer.weight.detach() for layer in layers]))
+def _packed_product(layers: Sequence[nn.Module]) -> Callable[[Tensor], Tensor] | None:
+    """One packed product of float layers side by side; None unless all of them can be packed."""
+    if not all(isinstance(layer, Linear) and can_pack(layer.weight) for layer in layers):
+        return None
+    weight = pack_weight(torch.cat([layer.weight.detach() for layer in layers]))
+    biases = [layer.bias for layer in layers]
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+    return partial(linear, weight=weight, bias=bias)
