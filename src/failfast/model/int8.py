@@ -20,7 +20,7 @@ from failfast.errors import IncompatibleModelsError
 from failfast.model.checkpoint import LoadedModel, load_model, read_config
 from failfast.model.config import ModelConfig
 from failfast.model.packed import pack_linears
-from failfast.model.transformer import Linear, fuse_projections
+from failfast.model.transformer import Linear, fuse_projections, side_by_side
 
 # Linear layers that stay as they are: a Transformer drafter's output head (tied to its
 # embedding), and the feature fusion `fc` of DFlash / EAGLE-3 drafters (their dtype and
@@ -61,9 +61,8 @@ class Int8Linear(nn.Module):
 def _int8_product(layers: Sequence[nn.Module]) -> Callable[[Tensor], Tensor]:
     """One int8 product of float layers side by side (per-channel scales: the same numbers as
     quantizing each layer alone)."""
-    weight_int8, scale = quantize(torch.cat([layer.weight.detach() for layer in layers]))
-    biases = [layer.bias for layer in layers]
-    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+    weight, bias = side_by_side(layers)
+    weight_int8, scale = quantize(weight)
     return partial(int8_linear, weight_int8=weight_int8, scale=scale, bias=bias)
 
 

@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from failfast.model.transformer import Linear, fuse_projections, linear
+from failfast.model.transformer import Linear, fuse_projections, linear, side_by_side
 
 
 def can_pack(weight: Tensor) -> bool:
@@ -53,7 +53,5 @@ def _packed_product(layers: Sequence[nn.Module]) -> Callable[[Tensor], Tensor] |
     """One packed product of float layers side by side; None unless all of them can be packed."""
     if not all(isinstance(layer, Linear) and can_pack(layer.weight) for layer in layers):
         return None
-    weight = pack_weight(torch.cat([layer.weight.detach() for layer in layers]))
-    biases = [layer.bias for layer in layers]
-    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-    return partial(linear, weight=weight, bias=bias)
+    weight, bias = side_by_side(layers)
+    return partial(linear, weight=pack_weight(weight), bias=bias)

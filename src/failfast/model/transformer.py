@@ -57,7 +57,7 @@ class Linear(nn.Linear):
     packed: Tensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:
-        fresh = self.packed is not None and not self.weight.requires_grad  # training updates the weight
+        fresh = self.packed is not None and not trains(self)
         return linear(x, self.packed if fresh else self.weight, self.bias)
 
 
@@ -237,6 +237,14 @@ def trains(layer: nn.Module) -> bool:
     """True when a layer's float weight takes gradients: a fused or packed copy would go stale."""
     weight = getattr(layer, "weight", None)
     return weight is not None and weight.requires_grad
+
+
+def side_by_side(layers: Sequence[nn.Module]) -> tuple[Tensor, Tensor | None]:
+    """The weight [sum of outs, in] and bias (None without biases) of float linear layers whose
+    outputs are concatenated: what a fused product is built from."""
+    weight = torch.cat([layer.weight.detach() for layer in layers])
+    biases = [layer.bias for layer in layers]
+    return weight, None if biases[0] is None else torch.cat([b.detach() for b in biases])
 
 
 def fuse_projections(model: nn.Module, fuse: Callable[[Sequence[nn.Module]], Callable[[Tensor], Tensor] | None]) -> None:
