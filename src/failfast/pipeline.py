@@ -53,8 +53,7 @@ class Pipeline:
             raise GenerationInputError("a drafter needs a policy (Fixed, FailFast or policies.cost_aware())")
         drf = None
         if drafter is not None:
-            path, compute = resolve_model(drafter), drafter_dtype or dtype
-            drafter_model = load_drafter(path, compute, device, drafter_int8)
+            drafter_model = load_drafter(resolve_model(drafter), drafter_dtype or dtype, device, drafter_int8)
             drf = make_drafter(tgt, drafter_model, unmask_threshold, denoise, sub_block_size, full_vocab)
         if lookup is not None:
             drf = LookupDrafter(drf, lookup)

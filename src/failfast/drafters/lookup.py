@@ -168,6 +168,5 @@ class LookupDrafter:
                 out[slot] = d._take_copy(count)
         if inner_wants:
             inners = [d.inner for d in drafters]
-            for slot, drafted in type(inners[next(iter(inner_wants))]).draft_rows(inners, inner_wants, shared).items():
-                out[slot] = drafted
+            out.update(type(inners[next(iter(inner_wants))]).draft_rows(inners, inner_wants, shared))
         return out

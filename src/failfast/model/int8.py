@@ -78,15 +78,12 @@ def int8_pays(config: ModelConfig, dtype: torch.dtype, device: str | torch.devic
 def load_drafter(path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
                  int8: bool | None = None) -> LoadedModel:
     """A drafter model computing in `dtype`, with int8 linear layers if `int8`, or where they
-    pay (`int8_pays`) when it is None."""
+    pay (`int8_pays`) when it is None. Int8 layers compute in `dtype` where the int8 matmul
+    takes it, else float32 (a float64 drafter beside a float64 target)."""
     if int8 is None:
         int8 = int8_pays(read_config(Path(path)), dtype, device)
-    return load_int8_drafter(path, dtype, device) if int8 else load_model(path, dtype=dtype, device=device)
-
-
-def load_int8_drafter(path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> LoadedModel:
-    """A drafter model with its linear layers quantized, computing in `dtype` where the int8
-    matmul takes it, else float32 (a float64 drafter beside a float64 target)."""
+    if not int8:
+        return load_model(path, dtype=dtype, device=device)
     loaded = load_model(path, dtype=dtype if dtype in ACTIVATION_DTYPES else torch.float32, device=device, pack=False)
     quantize_drafter(loaded.model)
     pack_linears(loaded.model)  # what stays in bf16 (head, feature fusion)
