@@ -99,7 +99,12 @@ def test_quick_bench_on_embedded_models(tmp_path, capsys):
     for m in report["methods"]:  # peers (transformers) round like us only in float32
         assert m["speedup_median"] > 0
         assert m["lossless"] is True or (m["name"] in peers and report["meta"]["dtype"] != "float32")
-    assert "| failfast |" in (out / "results.md").read_text()
+    table = (out / "results.md").read_text()
+    assert "| failfast |" in table and "Acceptance by draft position" in table
+    by_name = {m["name"]: m for m in report["methods"]}
+    assert "acceptance_by_position" not in by_name["ar"]
+    shares = by_name["failfast"]["acceptance_by_position"]
+    assert len(shares) == 8 and shares[0] is not None and all(v is None or 0 <= v <= 1 for v in shares)
     for png in ("speedup.png", "accepted_cdf.png", "acceptance_rounds.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = (out / "trajectory.html").read_text()
@@ -123,3 +128,16 @@ def test_summary_reports_forwards_without_timings_for_engines_that_hide_them():
     assert other["tokens_per_target_forward"] == pytest.approx(8 / 3)
     assert other["acceptance_rate"] == pytest.approx(5 / 9)
     assert "drafter_forwards_per_round" not in other and "draft_time_share" not in other
+    assert "acceptance_by_position" not in base and "acceptance_by_position" not in other  # no drafts / no rounds
+
+
+def test_acceptance_by_position_conditions_on_the_earlier_tokens():
+    """Position i counts the rounds that verified draft token i with tokens 0..i-1 accepted;
+    a round stops counting after its first rejection, and a verified prefix shorter than i never counts."""
+    from failfast.decode.stats import RoundStats, acceptance_by_position
+
+    rounds = [RoundStats(drafted=4, accepted=4, drafter_forwards=1, confidences=[]),   # 4 of 4
+              RoundStats(drafted=4, accepted=1, drafter_forwards=1, confidences=[]),   # 0 yes, 1 no
+              RoundStats(drafted=2, accepted=0, drafter_forwards=1, confidences=[]),   # 0 no
+              RoundStats(drafted=0, accepted=0, drafter_forwards=0, confidences=[])]   # nothing verified
+    assert acceptance_by_position(rounds, positions=5) == [pytest.approx(2 / 3), 0.5, 1.0, 1.0, None]

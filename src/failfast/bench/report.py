@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from failfast.bench.runner import BASELINE, PromptResult
+from failfast.decode.stats import acceptance_by_position
 from failfast.model import Tokenizer
 
 # The paper's latency profile (NVIDIA A6000): one drafter forward, and one target forward.
@@ -45,6 +46,8 @@ def summarize(results: list[PromptResult], method_names: list[str]) -> list[dict
             tokens, rounds = sum(s.tokens for s in stats), sum(s.rounds for s in stats)
             drafted, accepted = sum(s.drafted for s in stats), sum(s.accepted for s in stats)
             row.update(tokens_per_target_forward=tokens / rounds, acceptance_rate=accepted / drafted if drafted else None)
+            if drafted and any(s.trajectory for s in stats):  # engines that hide their rounds (vLLM) have none
+                row["acceptance_by_position"] = acceptance_by_position(r for s in stats for r in s.trajectory)
         if all(s is not None and s.wall_s > 0 for s in stats):  # our engine's own timings (not vLLM's)
             passes = sum(s.drafter_forwards for s in stats)
             wall, draft = sum(s.wall_s for s in stats), sum(s.draft_s for s in stats)
@@ -86,6 +89,14 @@ def markdown_table(summary: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                      f"{_fmt(m.get('tokens_per_target_forward'))} | {_fmt(m.get('acceptance_rate'))} | "
                      f"{_fmt(m.get('drafter_forwards_per_round'))} | "
                      f"{'n/a' if share is None else f'{100 * share:.0f}%'} | {cost_text} |")
+    drafting = [m for m in summary if m.get("acceptance_by_position")]
+    if drafting:
+        width = len(drafting[0]["acceptance_by_position"])
+        lines += ["", "Acceptance by draft position: the share of rounds whose i-th draft token was accepted, among "
+                  "those that verified it with every earlier one accepted (n/a: no round got that far).", "",
+                  "| method | " + " | ".join(str(i + 1) for i in range(width)) + " |", "|---|" + "---|" * width]
+        lines += [f"| {m['name']} | " + " | ".join(_fmt(v) for v in m["acceptance_by_position"]) + " |"
+                  for m in drafting]
     return "\n".join(lines) + "\n"
 
 

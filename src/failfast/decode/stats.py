@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 
 @dataclass
@@ -57,3 +57,16 @@ class GenerationStats:
         if trajectory:
             out["trajectory"] = [asdict(r) for r in self.trajectory]
         return out
+
+
+def acceptance_by_position(rounds: Iterable[RoundStats], positions: int = 8) -> list[float | None]:
+    """For i = 0..positions-1, the share of rounds whose i-th verified draft token was accepted,
+    among the rounds that verified it with every earlier one accepted (None where none did):
+    where along a draft a drafter stops predicting the target, what a chunk size or a
+    drafter's training should follow."""
+    reached, accepted = [0] * positions, [0] * positions
+    for r in rounds:
+        for i in range(min(r.accepted + 1, r.drafted, positions)):
+            reached[i] += 1
+            accepted[i] += i < r.accepted
+    return [a / n if n else None for a, n in zip(accepted, reached)]
