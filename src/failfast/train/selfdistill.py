@@ -2,7 +2,7 @@
 
 A drafter is only worth what verification accepts, and verification checks the target's
 own choices. Training drafters on what the target writes (greedy, plus a share sampled at a
-temperature for variety) teaches them exactly that (docs/design.md, "Training data").
+temperature for variety) teaches them exactly that (docs/design.md, "Training").
 
 Rows are `prompt_len` corpus tokens followed by `new_tokens` target tokens, generated in
 batches of same-length prompts (one forward per new token for the whole batch). Output is
