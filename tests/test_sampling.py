@@ -9,6 +9,7 @@ from failfast import (FailFast, Fixed, GenerationInputError, SamplingParams, Spe
                       make_drafter)
 from failfast.cli import main
 from failfast.decode.sampling import Sampler, processed_logprobs
+from failfast.model import Transformer
 from tests.helpers import copy_checkpoint, prompt_of, set_eos, write_word_tokenizer
 
 SETTINGS = [SamplingParams(0.7), SamplingParams(1.0), SamplingParams(1.0, top_k=10),
@@ -33,6 +34,45 @@ def test_random_drafters_reproduce_plain_sampling(random_models, drafter_name):
             for policy in POLICIES:
                 got = SpeculativeEngine(target, make_drafter(target, drafter), policy).generate(prompt, 30, sampling)
                 assert got.token_ids == expected, (drafter_name, policy.name, params, seed)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0, seed=3), SamplingParams(0.7, top_k=10, seed=4),
+                                    SamplingParams(1.3, top_p=0.8, seed=5)])
+def test_coupled_drafting_with_the_target_as_drafter_accepts_every_sampled_draft(random_models, params):
+    """A drafter that samples with the verifier's noise proposes the target's own draw when
+    its distribution is the target's: every draft token is accepted (a greedy draft would
+    match a sampled token only by chance), and the output is still plain sampling's."""
+    target = load_model(random_models["target"], dtype=torch.float64)
+    expected = SpeculativeEngine(target).generate(prompt_of(6, 1), 40, params).token_ids
+    got = SpeculativeEngine(target, make_drafter(target, target), Fixed(5)).generate(prompt_of(6, 1), 40, params)
+    assert got.token_ids == expected
+    assert got.stats.drafted > 30 and got.stats.accepted == got.stats.drafted
+
+
+@pytest.mark.parametrize("drafter_name", ["random-ar", "random-dllm", "random-dflash", "random-eagle3"])
+def test_coupled_drafts_use_each_tokens_own_position(random_models, drafter_name):
+    """With uniform logits everywhere (zeroed output heads) the target draws the argmax of a
+    position's noise, and so does a coupled drafter if it reads the noise of the position it
+    drafts: every draft token is accepted unless the target drew a token the drafter may not
+    propose (a block-diffusion drafter's mask token). An off-by-one position would reject
+    almost every draft."""
+    target = load_model(random_models["target"], dtype=torch.float64)
+    drafter_model = load_model(random_models[drafter_name], dtype=torch.float64)
+    for model in (target.model, drafter_model.model):  # DFlash and EAGLE-3 drafters use the target's head
+        if isinstance(model, Transformer):
+            model.lm_head.weight.data.zero_()
+    drafter = make_drafter(target, drafter_model, full_vocab=True)
+    sampling = SamplingParams(1.0, seed=7)
+    prompt = prompt_of(7, 2)
+    expected = SpeculativeEngine(target).generate(prompt, 48, sampling).token_ids
+    got = SpeculativeEngine(target, drafter, Fixed(4)).generate(prompt, 48, sampling)
+    assert got.token_ids == expected
+    at, rejected = 0, []
+    for r in got.stats.trajectory:
+        if r.accepted < r.drafted:
+            rejected.append(got.token_ids[at + r.accepted])  # the target's token where the draft went wrong
+        at += r.accepted + 1
+    assert got.stats.drafted >= 30 and set(rejected) <= set(drafter.banned)
 
 
 def test_trained_drafter_reproduces_sampling_with_long_drafts(trained_pair):

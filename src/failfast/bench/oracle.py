@@ -6,6 +6,8 @@ is verification alone.
 
 from __future__ import annotations
 
+from failfast.decode.sampling import Sampler
+
 
 class OracleDrafter:
     def __init__(self, prompt_len: int, continuation: list[int]) -> None:
@@ -16,6 +18,9 @@ class OracleDrafter:
 
     def prepare(self, total_len: int) -> None:
         self._next = 0
+
+    def sample_with(self, sampler: Sampler | None) -> None:
+        """The oracle drafts the target's own continuation, whatever the sampling."""
 
     def begin(self, committed: list[int]) -> None:
         self._next = len(committed) - self.prompt_len

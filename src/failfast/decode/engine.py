@@ -181,7 +181,7 @@ class SpeculativeEngine:
                cache: KVCache, drafter_cache: KVCache | None) -> _Sequence:
         """A joining request's sequence, its drafter prepared; `_prefill` fills its cache row."""
         tokenizer = self.target.tokenizer
-        seq = _Sequence(index, request, drafter, cache, Sampler(request.sampling),
+        seq = _Sequence(index, request, drafter, cache, Sampler(request.sampling, self.target.config.vocab_size),
                         StopStrings(request.stop, tokenizer.decode) if request.stop else None,
                         frozenset(self.target.config.eos_token_ids), list(request.prompt_ids))
         total = len(request.prompt_ids) + request.max_new_tokens
@@ -189,6 +189,8 @@ class SpeculativeEngine:
             drafter.prepare(total, cache=drafter_cache)  # type: ignore[call-arg]
         elif drafter is not None:
             drafter.prepare(total)
+        if drafter is not None:
+            drafter.sample_with(seq.sampler)
         return seq
 
     def _prefill(self, joining: dict[int, _Sequence], cache: KVCache) -> None:

@@ -3,11 +3,17 @@
 Sampled tokens use Gumbel-max noise keyed by (seed, absolute position): the token drawn
 at a position depends only on the prefix, the seed and the position, so speculative
 decoding reproduces plain sampling token for token. Greedy is temperature 0.
+
+A drafter that samples may read the same noise (coupled drafting, docs/design.md,
+"Engine"): it proposes argmax(its log-probabilities + the position's noise), which equals
+the target's draw whenever the two distributions agree closely enough, so sampled drafts
+are accepted far more often than greedy ones. The target's draw never depends on the draft.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -62,17 +68,48 @@ def gumbel_noise(seed: int, position: int, vocab: int, device: torch.device) -> 
 
 
 class Sampler:
-    """Chooses the target's token at given absolute positions."""
+    """Chooses the target's token at given absolute positions, one sequence's worth.
 
-    def __init__(self, params: SamplingParams | None = None) -> None:
+    `vocab`: the target's vocabulary size, which a coupled drafter's noise must be drawn
+    over. Each position's noise is drawn once and kept until the verifier has chosen past it,
+    so the drafter and the verifier share it.
+    """
+
+    def __init__(self, params: SamplingParams | None = None, vocab: int | None = None) -> None:
         self.params = params or SamplingParams()
+        self.vocab = vocab
+        self._noise: dict[int, Tensor] = {}
+
+    def noise(self, position: int, vocab: int, device: torch.device) -> Tensor:
+        """The Gumbel noise [vocab] of an absolute position."""
+        g = self._noise.get(position)
+        if g is None or g.shape[-1] != vocab or g.device != device:
+            g = self._noise[position] = gumbel_noise(self.params.seed, position, vocab, device)
+        return g
 
     def choose(self, logits: Tensor, position: int) -> int:
         """Token for one position from its logits [V]."""
         if self.params.greedy:
             return int(logits.argmax())
+        for committed in [p for p in self._noise if p < position]:  # positions before it are final
+            del self._noise[committed]
         logp = processed_logprobs(logits, self.params)
-        return int((logp + gumbel_noise(self.params.seed, position, logp.shape[-1], logp.device)).argmax())
+        return int((logp + self.noise(position, logp.shape[-1], logp.device)).argmax())
+
+    def draft_choices(self, logits: Tensor, positions: Sequence[int],
+                      vocab_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Coupled drafting: tokens [N] for a drafter's logits [N, V'] at absolute `positions`,
+        each the argmax of its processed log-probabilities plus the noise the verifier will
+        draw there, and their probabilities under the drafter. The logits cover the first V'
+        token ids, or the ids `vocab_ids` (a draft vocabulary)."""
+        if self.vocab is None:
+            raise ValueError("coupled drafting needs the sampler's vocabulary size (the target's)")
+        logp = processed_logprobs(logits, self.params)
+        noise = torch.stack([self.noise(p, self.vocab, logits.device) for p in positions])
+        noise = noise[:, vocab_ids] if vocab_ids is not None else noise[:, :logits.shape[-1]]
+        index = (logp + noise).argmax(-1)
+        conf = logp.gather(-1, index[:, None])[:, 0].exp().float()
+        return (vocab_ids[index] if vocab_ids is not None else index), conf
 
 
 def accept_choices(choices: list[int], draft: list[int]) -> tuple[int, int]:

@@ -32,7 +32,7 @@ class ARDrafter(ChainDrafter, ModelDrafter):
         """Take the prediction after the pending tokens (whose K/V are now cached)."""
         self.cache_ids.extend(self._pending)
         self.forwards += 1
-        tok, conf = self.pick(logits)
+        tok, conf = self.pick(logits, [len(self.cache_ids)])
         self._pending = [int(tok)]
         return int(tok), float(conf)
 

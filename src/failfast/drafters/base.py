@@ -7,6 +7,7 @@ from typing import Protocol, Sequence
 import torch
 from torch import Tensor
 
+from failfast.decode.sampling import Sampler
 from failfast.errors import GenerationInputError, IncompatibleModelsError
 from failfast.model import LoadedModel
 from failfast.model.kv_cache import KVCache
@@ -16,13 +17,18 @@ from failfast.model.packed import pack_weight
 class Drafter(Protocol):
     """Proposes tokens after a committed sequence, a few at a time.
 
-    The engine calls `prepare` once per generation, `begin` at the start of every round
-    with the committed sequence, then `draft` as often as the policy asks for more.
+    The engine calls `prepare` once per generation, then `sample_with` with that
+    generation's sampler, `begin` at the start of every round with the committed sequence,
+    then `draft` as often as the policy asks for more.
     """
 
     forwards: int  # model forward passes so far (cumulative)
 
     def prepare(self, total_len: int) -> None: ...
+
+    def sample_with(self, sampler: Sampler | None) -> None:
+        """Draft this generation's tokens for `sampler` (coupled drafting when it samples,
+        `decode/sampling.py`); None or a greedy sampler: greedy drafts."""
 
     def begin(self, committed: list[int]) -> None: ...
 
@@ -61,6 +67,10 @@ class ModelDrafter:
         self.forwards = 0
         self.cache = self.model.new_cache(1)
         self.cache_ids: list[int] = []
+        self.sampler: Sampler | None = None
+
+    def sample_with(self, sampler: Sampler | None) -> None:
+        self.sampler = sampler
 
     def _allocate(self, capacity: int, needed_positions: int, cache: KVCache | None = None) -> None:
         """A fresh cache of `capacity`, or the given one (a row of a batch's shared drafter cache)."""
@@ -78,18 +88,21 @@ class ModelDrafter:
         self.cache.rollback(length)
         del self.cache_ids[length:]
 
-    def pick(self, logits: Tensor) -> tuple[Tensor, Tensor]:
-        """Greedy choice and its probability over the target's vocabulary ([..., V] -> [...]),
-        or over the draft vocabulary (logits from `head_weight`)."""
-        if self.vocab_ids is not None:
-            conf, index = torch.softmax(logits.float(), dim=-1).max(dim=-1)
-            return self.vocab_ids[index], conf
-        logits = logits[..., : self.vocab_limit].float()
-        if self.banned:
-            logits = logits.clone()
-            logits[..., self.banned] = float("-inf")
-        conf, tok = torch.softmax(logits, dim=-1).max(dim=-1)
-        return tok, conf
+    def pick(self, logits: Tensor, positions: Sequence[int]) -> tuple[Tensor, Tensor]:
+        """Draft tokens and their probabilities for logits [V] or [N, V] over the target's
+        vocabulary, or over the draft vocabulary (logits from `head_weight`), at absolute
+        `positions` (one per row): greedy, or with the verifier's noise when this
+        generation samples (coupled drafting)."""
+        if self.vocab_ids is None:
+            logits = logits[..., : self.vocab_limit].float()
+            if self.banned:
+                logits = logits.clone()
+                logits[..., self.banned] = float("-inf")
+        if self.sampler is not None and not self.sampler.params.greedy:
+            tok, conf = self.sampler.draft_choices(logits.reshape(-1, logits.shape[-1]), positions, self.vocab_ids)
+            return tok.reshape(logits.shape[:-1]), conf.reshape(logits.shape[:-1])
+        conf, index = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+        return (self.vocab_ids[index] if self.vocab_ids is not None else index), conf
 
     def _tensor(self, ids: list[int]) -> Tensor:
         return torch.tensor([ids], dtype=torch.long, device=self.model.device)

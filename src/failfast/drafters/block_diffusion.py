@@ -147,7 +147,7 @@ class BlockDiffusionDrafter(ModelDrafter):
             self._new_block_scratch()
         s, first = self.sub_block_size, self.ready
         if first == 0 and self.block[0] == self.mask_id:  # the block's first token, AR-style, from the boundary
-            tok, conf = self.pick(self.boundary)
+            tok, conf = self.pick(self.boundary, [self.cache.length])
             self.block[0], self.block_confs[0] = int(tok), float(conf)
         end = min((first // s + 1) * s, self.block_size)
         masked = [j for j in range(first, end) if self.block[j] == self.mask_id]
@@ -162,7 +162,7 @@ class BlockDiffusionDrafter(ModelDrafter):
         threshold and always the most confident one; the sub-block is decoded when none is left."""
         self.scratch_ids[plan.lo:plan.hi] = self.block[plan.lo:plan.hi]
         self.forwards += 1
-        tok, conf = self.pick(logits)
+        tok, conf = self.pick(logits, [self.cache.length + j for j in plan.masked])
         chosen = (conf > self.unmask_threshold)
         chosen[conf.argmax()] = True
         for j, t, c, take in zip(plan.masked, tok.tolist(), conf.tolist(), chosen.tolist()):

@@ -83,7 +83,9 @@ class DFlashDrafter(TargetFeatureDrafter):
     def _take_pass(self, hidden: Tensor, masks: int) -> None:
         """Decode a pass's final hidden states [W, hidden] at its masks."""
         out = hidden[-masks:]
-        tok, conf = self.pick(self.model.lm_head(out) if self.head_weight is None else linear(out, self.head_weight))
+        first = self.cache.length + len(self.window)  # window token w sits at position cache.length + w
+        tok, conf = self.pick(self.model.lm_head(out) if self.head_weight is None else linear(out, self.head_weight),
+                              range(first, first + masks))
         self.window += tok.tolist()
         self.window_confs += conf.tolist()
         self.passes += 1

@@ -70,12 +70,15 @@ class Eagle3Drafter(ChainDrafter, TargetFeatureDrafter):
         # exists before a one-token prompt's first round: zeros stand in, drafts are verified)
         self.hidden = self.fused[None, None, n - 2] if n >= 2 else torch.zeros_like(self.fused[None, None, 0])
         self.next_token = committed[-1]
+        self.next_position = n  # absolute position of the next draft token
 
     def _take(self, output: Tensor) -> tuple[int, float]:
         """The token a step's output [1, 1, hidden] predicts; it and the output feed the next step."""
         self.hidden = output
         h = self.model.logits_input(output)[0, -1]
-        tok, conf = self.pick(self.model.lm_head(h) if self.head_weight is None else linear(h, self.head_weight))
+        tok, conf = self.pick(self.model.lm_head(h) if self.head_weight is None else linear(h, self.head_weight),
+                              [self.next_position])
+        self.next_position += 1
         self.forwards += 1
         self.next_token = int(tok)
         return self.next_token, float(conf)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from failfast.decode.policies import FailFastDefaults, drafter_defaults
+from failfast.decode.sampling import Sampler
 from failfast.drafters.base import Drafter
 from failfast.errors import PolicyError
 from failfast.model.kv_cache import KVCache
@@ -129,6 +130,10 @@ class LookupDrafter:
                 self.inner.prepare(total_len, cache=cache)  # type: ignore[call-arg]
             else:
                 self.inner.prepare(total_len)
+
+    def sample_with(self, sampler: Sampler | None) -> None:
+        if self.inner is not None:
+            self.inner.sample_with(sampler)
 
     def begin(self, committed: list[int]) -> None:
         self._copy = self._index.continuation(committed)
