@@ -47,6 +47,9 @@ def test_coupled_drafting_with_the_target_as_drafter_accepts_every_sampled_draft
     got = SpeculativeEngine(target, make_drafter(target, target), Fixed(5)).generate(prompt_of(6, 1), 40, params)
     assert got.token_ids == expected
     assert got.stats.drafted > 30 and got.stats.accepted == got.stats.drafted
+    greedy = SpeculativeEngine(target, make_drafter(target, target), Fixed(5), coupled_drafts=False).generate(
+        prompt_of(6, 1), 40, params)
+    assert greedy.token_ids == expected and greedy.stats.accepted < greedy.stats.drafted
 
 
 @pytest.mark.parametrize("drafter_name", ["random-ar", "random-dllm", "random-dflash", "random-eagle3"])

@@ -50,6 +50,7 @@ class MethodSpec:
     drafter_int8: bool | None = None  # int8 weights in the drafter's linear layers; None: where they pay (model/int8.py)
     full_vocab: bool = False       # ignore the drafter's draft_vocab.json (the head over every token)
     lookup: LookupSettings | None = None  # prompt lookup in front of the drafter (kind "lookup": alone)
+    coupled_drafts: bool = True    # sampled drafts with the verifier's noise (decode/sampling.py); else greedy
 
     @property
     def is_peer(self) -> bool:
@@ -128,6 +129,13 @@ def default_methods() -> list[MethodSpec]:
           for k in (4, 16)),
         MethodSpec("failfast-lookup-drafter-int8", "dllm-drafter", drafter_failfast(), lookup=LookupSettings(),
                    drafter_int8=True),
+        # sampled generation (--temperature): the same drafters drafting greedily instead of with
+        # the verifier's noise (coupled drafting, the default), for the A/B
+        *(MethodSpec(f"{name}-greedy-drafts", kind, policy, coupled_drafts=False)
+          for name, kind, policy in (("failfast", "dllm-drafter", drafter_failfast()),
+                                     ("failfast-dflash", "dflash-drafter", drafter_failfast()),
+                                     ("failfast-eagle3", "eagle3-drafter", drafter_failfast()),
+                                     ("ar-fixed-4", "ar-drafter", Fixed(4)))),
         MethodSpec("oracle", "oracle", Fixed(60)),
         # vLLM on the same weights, when installed (the vllm extra): plain, its own speculative
         # methods, and our proposer inside it (integrations/vllm_peers.py)
@@ -220,7 +228,7 @@ class MethodFactory:
             raise ValueError(f"unknown method kind {spec.kind!r}")
         if spec.lookup is not None:
             drafter = LookupDrafter(drafter, spec.lookup)
-        engine = SpeculativeEngine(self.target, drafter, spec.policy)
+        engine = SpeculativeEngine(self.target, drafter, spec.policy, coupled_drafts=spec.coupled_drafts)
 
         def run(prompt: list[int], max_new: int, reference: list[int]) -> MethodOutput:
             result = engine.generate(prompt, max_new, self.sampling)

@@ -104,18 +104,21 @@ class SpeculativeEngine:
     A `gate` lets rounds skip drafting where plain rounds measure faster (decode/gate.py).
     `bucketed_shapes` pads every verification forward to a few shapes (tokens, attention width,
     keys read), as a GPU capturing its forwards needs; on a CPU padding only costs
-    (docs/design.md, "Capture-friendly shapes").
+    (docs/design.md, "Capture-friendly shapes"). `coupled_drafts=False` makes a sampled
+    generation's drafter draft greedily instead of with the verifier's noise (slower; for
+    comparisons).
     """
 
     def __init__(self, target: LoadedModel, drafter: Drafter | None = None,
                  policy: Policy | PolicyFactory | None = None, gate: SpeculationGate | None = None,
-                 bucketed_shapes: bool = False) -> None:
+                 bucketed_shapes: bool = False, coupled_drafts: bool = True) -> None:
         if (drafter is None) != (policy is None):
             raise GenerationInputError("a drafter needs a policy and a policy needs a drafter")
         if gate is not None and drafter is None:
             raise GenerationInputError("a speculation gate needs a drafter")
         self.gate = gate
         self.bucketed_shapes = bucketed_shapes
+        self.coupled_drafts = coupled_drafts
         self.target = target
         self.drafter = drafter
         self._policy_factory = policy if policy is not None and is_policy_factory(policy) else None
@@ -190,7 +193,7 @@ class SpeculativeEngine:
         elif drafter is not None:
             drafter.prepare(total)
         if drafter is not None:
-            drafter.sample_with(seq.sampler)
+            drafter.sample_with(seq.sampler if self.coupled_drafts else None)
         return seq
 
     def _prefill(self, joining: dict[int, _Sequence], cache: KVCache) -> None:
