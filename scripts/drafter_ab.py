@@ -1,9 +1,9 @@
 """Interleaved A/B of two checkpoints of one drafter: does a training pass pay?
 
-Loads plain AR and, for each checkpoint, FailFast over it (the drafter kind's defaults) and
-one fixed draft length; runs them one after another on every prompt (after a warm-up), checks
-that every method gives plain AR's tokens, and prints the median (and geometric-mean) speedup
-over plain AR and the tokens per target forward of each.
+Runs plain AR and, for each checkpoint, FailFast over it (the drafter kind's defaults) and
+one fixed draft length through the benchmark's runner (interleaved per prompt, warmed up,
+every method checked token-identical to plain AR), then prints each method's median (and
+geometric-mean) speedup over plain AR and its tokens per target forward.
 
     python scripts/drafter_ab.py OLD NEW [--fixed 5] [--dataset heldout] [--prompts 12] [--repeats 2]
 """
@@ -11,14 +11,16 @@ over plain AR and the tokens per target forward of each.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from failfast import Fixed, drafter_failfast
 from failfast.bench.datasets import load_dataset
-from failfast.pipeline import Pipeline
+from failfast.bench.methods import MethodFactory, MethodSpec
+from failfast.bench.report import summarize
+from failfast.bench.runner import BASELINE, run_bench
+from failfast.embedded import resolve_model
+from failfast.model.precision import default_dtype
 
 
 def main() -> None:
@@ -33,36 +35,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    methods = {"ar": Pipeline.load("target")}
-    for label, path in (("old", args.old), ("new", args.new)):
-        methods[f"{label} FailFast"] = Pipeline.load("target", path, drafter_failfast())
-        methods[f"{label} Fixed({args.fixed})"] = Pipeline.load("target", path, Fixed(args.fixed))
-    prompts = load_dataset(args.dataset, args.prompts)
-    times: dict[str, list[list[float]]] = {name: [] for name in methods}
-    tokens = dict.fromkeys(methods, 0)
-    forwards = dict.fromkeys(methods, 0)
-    with torch.inference_mode():
-        for pipe in methods.values():  # warm-up
-            pipe.generate(prompts[0].text, 16)
-        for prompt in prompts:
-            for name in methods:
-                times[name].append([])
-            for _ in range(args.repeats):
-                reference = None
-                for name, pipe in methods.items():
-                    start = time.perf_counter()
-                    out = pipe.generate(prompt.text, args.max_new_tokens)
-                    times[name][-1].append(time.perf_counter() - start)
-                    reference = out.token_ids if reference is None else reference
-                    if out.token_ids != reference:
-                        raise SystemExit(f"{name} is not lossless on {prompt.id}")
-                    tokens[name] += len(out.token_ids)
-                    forwards[name] += out.stats.target_forwards
-    plain = [statistics.median(t) for t in times["ar"]]
-    for name in methods:
-        speedups = [p / statistics.median(t) for p, t in zip(plain, times[name])]
-        print(f"{name:16s} {statistics.median(speedups):.2f}x (geomean {statistics.geometric_mean(speedups):.2f}x), "
-              f"{tokens[name] / forwards[name]:.2f} tokens per target forward")
+    factory = MethodFactory(resolve_model("target"), {"old": args.old, "new": args.new}, default_dtype("cpu"))
+    specs = [MethodSpec(BASELINE, "ar")]
+    for which in ("old", "new"):
+        specs += [MethodSpec(f"{which} FailFast", f"{which}-drafter", drafter_failfast()),
+                  MethodSpec(f"{which} Fixed({args.fixed})", f"{which}-drafter", Fixed(args.fixed))]
+    results = run_bench(factory, specs, load_dataset(args.dataset, args.prompts), args.max_new_tokens, args.repeats)
+    for row in summarize(results, [s.name for s in specs]):
+        print(f"{row['name']:16s} {row['speedup_median']:.2f}x (geomean {row['speedup_geomean']:.2f}x), "
+              f"{row['tokens_per_target_forward']:.2f} tokens per target forward")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ Runner = Callable[[list[int], int, list[int]], MethodOutput]
 @dataclass(frozen=True)
 class MethodSpec:
     name: str
-    kind: str                      # ar | hf | hf-assisted | vllm | {ar,dllm,dflash,eagle3}-drafter | lookup | oracle
+    kind: str                      # ar | hf | hf-assisted | vllm | <drafter>-drafter | lookup | oracle
     policy: Policy | PolicyFactory | None = None
     unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD
     denoise: str = DEFAULT_DENOISE  # block-diffusion pass: prefix, sub-block (block cache) or full-block
@@ -148,8 +148,8 @@ class MethodFactory:
 
     def __init__(self, target: Path, drafters: dict[str, str | Path], dtype: torch.dtype = torch.float32,
                  sampling: SamplingParams = SamplingParams()) -> None:
-        """`drafters`: folder or embedded name of each drafter kind (ar, dllm, dflash, eagle3),
-        resolved when a method first needs it. `sampling`: how our engines pick tokens (seeded
+        """`drafters`: folder or embedded name of each drafter kind (ar, dllm, dflash, eagle3; any
+        other name X serves methods of kind "X-drafter"), resolved when a method first needs it. `sampling`: how our engines pick tokens (seeded
         sampling is reproduced token for token by every method, decode/sampling.py); peers
         (transformers, vLLM) decode greedily only."""
         self.paths: dict[str, str | Path] = {"target": target, **drafters}
@@ -214,9 +214,9 @@ class MethodFactory:
         if spec.kind == "hf-assisted":
             return self._hf_runner(self._hf_model("ar"), spec.schedule)
         drafter: Drafter | None = None
-        if spec.kind in ("ar-drafter", "dllm-drafter", "dflash-drafter", "eagle3-drafter"):  # as make_drafter builds for users
-            drafter = make_drafter(self.target, self._drafter_model(spec.kind.removesuffix("-drafter"), spec.drafter_dtype,
-                                                                    spec.drafter_int8),
+        which = spec.kind.removesuffix("-drafter")
+        if spec.kind.endswith("-drafter") and which in self.paths:  # a drafter as make_drafter builds it for users
+            drafter = make_drafter(self.target, self._drafter_model(which, spec.drafter_dtype, spec.drafter_int8),
                                    spec.unmask_threshold, spec.denoise, spec.sub_block_size, spec.full_vocab)
         elif spec.kind == "oracle":
             def run_oracle(prompt: list[int], max_new: int, reference: list[int]) -> MethodOutput:
