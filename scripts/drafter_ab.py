@@ -3,7 +3,8 @@
 Runs plain AR and, for each checkpoint, FailFast over it (the drafter kind's defaults) and
 one fixed draft length through the benchmark's runner (interleaved per prompt, warmed up,
 every method checked token-identical to plain AR), then prints each method's median (and
-geometric-mean) speedup over plain AR and its tokens per target forward.
+geometric-mean) speedup over plain AR, its tokens per target forward and its acceptance at
+draft positions 1-4.
 
     python scripts/drafter_ab.py OLD NEW [--fixed 5] [--dataset heldout] [--prompts 12] [--repeats 2]
 """
@@ -42,8 +43,11 @@ def main() -> None:
                   MethodSpec(f"{which} Fixed({args.fixed})", f"{which}-drafter", Fixed(args.fixed))]
     results = run_bench(factory, specs, load_dataset(args.dataset, args.prompts), args.max_new_tokens, args.repeats)
     for row in summarize(results, [s.name for s in specs]):
+        accepted = row.get("acceptance_by_position") or []
+        by_position = " / ".join("n/a" if a is None else f"{a:.2f}" for a in accepted[:4])
         print(f"{row['name']:16s} {row['speedup_median']:.2f}x (geomean {row['speedup_geomean']:.2f}x), "
-              f"{row['tokens_per_target_forward']:.2f} tokens per target forward")
+              f"{row['tokens_per_target_forward']:.2f} tokens per target forward"
+              + (f", acceptance at positions 1-4 {by_position}" if by_position else ""))
 
 
 if __name__ == "__main__":

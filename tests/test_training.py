@@ -359,3 +359,35 @@ def test_dflash_loss_on_a_draft_vocabulary_ignores_tokens_outside_it(data_dir, t
     # a vocabulary of the labels alone: a softmax over fewer rows, so a lower loss, still finite
     assert 0 < loss(tokens.unique()) < loss(None)
     assert loss(torch.tensor([0, 1])) == 0  # no label inside: nothing to learn, and no NaN
+
+
+@pytest.mark.parametrize("stage", ["dflash", "eagle3"])
+def test_soft_labels_are_the_targets_distribution_at_each_labels_position(stage):
+    """With a near-one-hot target (its head scaled up) and rows that are its own greedy
+    continuations, the soft labels put all mass on the rows' tokens: the soft loss equals the
+    hard one. A teacher read one position off would predict other tokens and differ."""
+    from failfast.train.dflash import dflash_loss, new_dflash
+    from failfast.train.eagle3 import eagle3_loss, new_eagle3
+
+    target = new_model("tiny", 300, 1, seed=0).double()
+    with torch.no_grad():
+        target.model.norm.weight.mul_(1e5)  # logits x 1e5: near-one-hot distributions
+        for p in target.model.layers.parameters():  # layers that outweigh the tied embedding, so that
+            p.mul_(3)                               # the continuation does not just repeat a token
+        tokens = torch.randint(2, 300, (2, 8), generator=torch.Generator().manual_seed(0))
+        for _ in range(32):  # greedy continuation, as self-distillation writes it
+            final = target.tapped(tokens, (0,))[0][:, -1]
+            tokens = torch.cat([tokens, target.lm_head(final).argmax(-1, keepdim=True)], dim=1)
+    layers = (0,)
+    if stage == "dflash":
+        drafter = new_dflash(target.config, 1, layers, 4, 1, seed=0).double()
+        loss = lambda soft: dflash_loss(drafter, target, tokens, torch.Generator().manual_seed(1), 8,  # noqa: E731
+                                        soft_labels=soft)
+    else:
+        drafter = new_eagle3(target.config, layers, seed=0).double()
+        loss = lambda soft: eagle3_loss(drafter, target, tokens, 8, soft_labels=soft)  # noqa: E731
+    drafter.attach(target.model.embed_tokens, target.lm_head)
+    with torch.no_grad():
+        hard, soft = float(loss(False)), float(loss(True))
+    assert soft == pytest.approx(hard, rel=1e-6)
+    assert hard > 0.5  # an untrained drafter: the equality is not 0 == 0

@@ -258,7 +258,7 @@ def _train_feature_drafter(args: argparse.Namespace, settings, resume_from: Path
         raise GenerationInputError(f"--target-layers must be comma-separated layer indices, got {args.target_layers!r}") from None
     common = dict(target_layer_ids=layer_ids, decay_gamma=args.decay_gamma or DEFAULT_DECAY_GAMMA,
                   init=Path(args.init) if args.init else None, draft_vocab_size=args.draft_vocab_size or None,
-                  resume=args.resume or resume_from is not None, resume_from=resume_from)
+                  soft_labels=args.soft_labels, resume=args.resume or resume_from is not None, resume_from=resume_from)
     if args.stage == "eagle3":
         from failfast.train.eagle3 import train_eagle3
         return train_eagle3(resolve_model(args.target), Path(args.data), rows, Path(args.out), settings, **common)
@@ -455,6 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--decay-gamma", type=float,
                    help="[diffusion, dflash, eagle3] weight the k-th masked token of a block (eagle3: the k-th "
                         "token of a chain) by exp(-(k-1)/gamma) (dflash and eagle3 default 7)")
+    t.add_argument("--soft-labels", action="store_true",
+                   help="[dflash, eagle3] learn the target's next-token distributions (computed in the same "
+                        "target forward as its features) instead of the rows' tokens")
     t.add_argument("--block-size", type=int, help="diffusion default 32, dflash 16")
     t.add_argument("--sub-block-size", type=int, default=8)
     t.add_argument("--suffix-mask-share", type=float, default=0.0,

@@ -409,8 +409,15 @@ class Transformer(nn.Module):
     def features(self, tokens: Tensor, taps: Sequence[int]) -> Tensor:
         """Tapped layers' outputs [B, T, F] of a cache-free causal forward over tokens [B, T]
         (what a DFlash drafter trains on)."""
+        return self.tapped(tokens, taps)[1]
+
+    def tapped(self, tokens: Tensor, taps: Sequence[int]) -> tuple[Tensor, Tensor]:
+        """Final (normed) hidden states [B, T, hidden] and tapped layers' outputs [B, T, F] of
+        one cache-free causal forward: a drafter's inputs and its soft labels in one pass."""
         pos = torch.arange(tokens.shape[1], device=tokens.device)
-        return self._hidden(tokens, pos, attention_mask(pos, pos, None), None, 0, taps=taps)[1]
+        final, tapped = self._hidden(tokens, pos, attention_mask(pos, pos, None), None, 0, taps=taps)
+        assert tapped is not None, "tapped() needs at least one layer to tap"
+        return final, tapped
 
     def hidden_masked(self, tokens: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
         """Final hidden states of a cache-free forward with an explicit [T, T] attention mask.

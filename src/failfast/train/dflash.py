@@ -68,16 +68,18 @@ def anchor_windows(batch: int, length: int, block_size: int, first_anchor: int, 
 
 def dflash_loss(model: DFlashModel, target: Transformer, tokens: Tensor, generator: torch.Generator,
                 first_anchor: int, decay_gamma: float = DEFAULT_DECAY_GAMMA,
-                passes: tuple[int, ...] = WINDOW_PASSES, vocab: Tensor | None = None) -> Tensor:
+                passes: tuple[int, ...] = WINDOW_PASSES, vocab: Tensor | None = None,
+                soft_labels: bool = False) -> Tensor:
     """Position-decayed cross-entropy of the drafter's masked window positions against the
     rows' tokens (the target's own continuations), given the target's features. With `vocab`
     (sorted token ids: the draft vocabulary) the head covers only those rows, as in drafting,
-    and tokens outside it carry no loss."""
+    and tokens outside it carry no loss. With `soft_labels` the labels are the target's
+    next-token distributions at those positions instead (`weighted_cross_entropy`)."""
     cfg = model.config
     b, length = tokens.shape
     device = tokens.device
     with torch.no_grad():
-        features = target.features(tokens, cfg.target_layer_ids)
+        final, features = target.tapped(tokens, cfg.target_layer_ids)
     positions, anchors, window_of, rank = (t.to(device) for t in
                                            anchor_windows(b, length, cfg.block_size, first_anchor, generator, passes))
     window_tokens = tokens.gather(1, positions)
@@ -89,14 +91,15 @@ def dflash_loss(model: DFlashModel, target: Transformer, tokens: Tensor, generat
     same_window = (window_of[:, None] == window_of[None, :]).expand(b, -1, -1)
     hidden = model.hidden(inputs, positions, context, torch.cat([sees_context, same_window], dim=2)[:, None])
     weights = torch.exp(-(rank[masked] - 1).float() / decay_gamma).expand(b, -1).flatten()
+    teacher = final.gather(1, (positions[:, masked] - 1)[..., None].expand(-1, -1, final.shape[-1])) if soft_labels else None
     return weighted_cross_entropy(hidden[:, masked].flatten(0, 1), target.lm_head, window_tokens[:, masked].flatten(),
-                                  weights, vocab)
+                                  weights, vocab, None if teacher is None else teacher.flatten(0, 1))
 
 
 def train_dflash(target_dir: Path, data_dir: Path, rows: Path, out: Path, settings: TrainSettings, *,
                  layers: int = 2, target_layer_ids: tuple[int, ...] | None = None, block_size: int | None = None,
                  decay_gamma: float = DEFAULT_DECAY_GAMMA, init: Path | None = None, draft_vocab_size: int | None = None,
-                 resume: bool = False, resume_from: Path | None = None) -> dict:
+                 soft_labels: bool = False, resume: bool = False, resume_from: Path | None = None) -> dict:
     """Train a DFlash drafter for the target in `target_dir` on its self-distillation `rows`
     (windows anchored in the target-written part of each row): a new one (blocks of 16 unless
     `block_size` says otherwise), or the drafter in `init` continued. With `draft_vocab_size`
@@ -115,6 +118,7 @@ def train_dflash(target_dir: Path, data_dir: Path, rows: Path, out: Path, settin
         layer_ids = target_layer_ids or default_target_layers(target.num_hidden_layers)
         model = new_dflash(target, layers, layer_ids, block_size or 16, job.mask_id, settings.seed)
     loss = lambda m, batch, gen: dflash_loss(m, job.target.model, batch, gen, job.first_anchor, decay_gamma,  # noqa: E731
-                                             vocab=job.vocab)
+                                             vocab=job.vocab, soft_labels=soft_labels)
     return job.run(model, loss, rows, out, settings, "DFlash drafter",
-                   {"decay_gamma": decay_gamma, "window_passes": list(WINDOW_PASSES)}, resume, resume_from)
+                   {"decay_gamma": decay_gamma, "window_passes": list(WINDOW_PASSES), "soft_labels": soft_labels},
+                   resume, resume_from)

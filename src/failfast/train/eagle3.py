@@ -35,29 +35,33 @@ def new_eagle3(target: ModelConfig, target_layer_ids: tuple[int, ...], seed: int
 
 
 def eagle3_loss(model: Eagle3Model, target: Transformer, tokens: Tensor, first_anchor: int,
-                decay_gamma: float = DEFAULT_DECAY_GAMMA, steps: int = TTT_STEPS, vocab: Tensor | None = None) -> Tensor:
+                decay_gamma: float = DEFAULT_DECAY_GAMMA, steps: int = TTT_STEPS, vocab: Tensor | None = None,
+                soft_labels: bool = False) -> Tensor:
     """Weighted cross-entropy of every unrolled step's predictions against the rows' tokens
-    (the target's own continuations), given the target's features."""
+    (the target's own continuations), given the target's features; with `soft_labels`
+    against the target's next-token distributions there (`weighted_cross_entropy`)."""
     length = tokens.shape[1]
     if length < steps + 2:
         raise FailfastError(f"rows of {length} tokens are too short for {steps} chain steps")
     with torch.no_grad():
-        features = target.features(tokens, model.config.target_layer_ids)
+        final, features = target.tapped(tokens, model.config.target_layer_ids)
     outputs = model.unrolled(tokens, model.fuse(features), steps)
     slot = torch.arange(length - 2, device=tokens.device)  # slot j predicts token j + 2
-    hidden, labels, weights = [], [], []
+    hidden, labels, weights, teacher = [], [], [], []
     for s, out in enumerate(outputs):
         use = (slot >= s) & (slot + 2 >= first_anchor)  # a chain of s steps before it; a target-written label
         hidden.append(model.logits_input(out[:, :length - 2][:, use]).flatten(0, 1))
         labels.append(tokens[:, 2:][:, use].flatten())
         weights.append(torch.full(labels[-1].shape, math.exp(-s / decay_gamma), device=tokens.device))
-    return weighted_cross_entropy(torch.cat(hidden), target.lm_head, torch.cat(labels), torch.cat(weights), vocab)
+        teacher.append(final[:, 1:length - 1][:, use].flatten(0, 1))  # the target's output before token j + 2
+    return weighted_cross_entropy(torch.cat(hidden), target.lm_head, torch.cat(labels), torch.cat(weights), vocab,
+                                  torch.cat(teacher) if soft_labels else None)
 
 
 def train_eagle3(target_dir: Path, data_dir: Path, rows: Path, out: Path, settings: TrainSettings, *,
                  target_layer_ids: tuple[int, ...] | None = None, decay_gamma: float = DEFAULT_DECAY_GAMMA,
-                 init: Path | None = None, draft_vocab_size: int | None = None, resume: bool = False,
-                 resume_from: Path | None = None) -> dict:
+                 init: Path | None = None, draft_vocab_size: int | None = None, soft_labels: bool = False,
+                 resume: bool = False, resume_from: Path | None = None) -> dict:
     """Train an EAGLE-3 drafter for the target in `target_dir` on its self-distillation `rows`:
     a new one, or the drafter in `init` continued. With `draft_vocab_size` (below the
     vocabulary size) the loss covers only the draft vocabulary it will draft from."""
@@ -71,6 +75,6 @@ def train_eagle3(target_dir: Path, data_dir: Path, rows: Path, out: Path, settin
     else:
         model = new_eagle3(target, target_layer_ids or default_target_layers(target.num_hidden_layers), settings.seed)
     loss = lambda m, batch, gen: eagle3_loss(m, job.target.model, batch, job.first_anchor, decay_gamma,  # noqa: E731
-                                             vocab=job.vocab)
+                                             vocab=job.vocab, soft_labels=soft_labels)
     return job.run(model, loss, rows, out, settings, "EAGLE-3 drafter",
-                   {"decay_gamma": decay_gamma, "ttt_steps": TTT_STEPS}, resume, resume_from)
+                   {"decay_gamma": decay_gamma, "ttt_steps": TTT_STEPS, "soft_labels": soft_labels}, resume, resume_from)

@@ -72,19 +72,28 @@ def continued(init: Path, target: ModelConfig, kind: str, fits: Callable[[ModelC
 
 
 def weighted_cross_entropy(hidden: Tensor, lm_head: nn.Module, labels: Tensor, weights: Tensor,
-                           vocab: Tensor | None) -> Tensor:
+                           vocab: Tensor | None, teacher: Tensor | None = None) -> Tensor:
     """Weighted mean cross-entropy of the target's head over hidden states [N, hidden] against
     labels [N]. With `vocab` (sorted token ids: the draft vocabulary) the head covers only
-    those rows, as in drafting, and labels outside it carry no loss."""
-    if vocab is None:
-        logits = lm_head(hidden).float()
+    those rows, as in drafting, and labels outside it carry no loss.
+
+    With `teacher` (the target's final hidden states [N, hidden] at the position before each
+    label) the labels are soft: the target's own next-token distribution (over `vocab`,
+    renormalised), which greedy verification checks the mode of and sampled verification
+    draws from; a sampled row's token is then no longer a noisy label."""
+    head = lm_head.weight if vocab is None else lm_head.weight[vocab.to(hidden.device)]
+    logits = F.linear(hidden, head).float()
+    if teacher is not None:
+        with torch.no_grad():
+            soft = F.linear(teacher, head).float().softmax(-1)
+        losses = F.cross_entropy(logits, soft, reduction="none")
     else:
-        vocab = vocab.to(hidden.device)
-        logits = F.linear(hidden, lm_head.weight[vocab]).float()
-        index = torch.searchsorted(vocab, labels).clamp(max=len(vocab) - 1)
-        inside = vocab[index] == labels
-        labels, weights = torch.where(inside, index, 0), weights * inside
-    losses = F.cross_entropy(logits, labels, reduction="none")
+        if vocab is not None:
+            vocab = vocab.to(hidden.device)
+            index = torch.searchsorted(vocab, labels).clamp(max=len(vocab) - 1)
+            inside = vocab[index] == labels
+            labels, weights = torch.where(inside, index, 0), weights * inside
+        losses = F.cross_entropy(logits, labels, reduction="none")
     return (weights * losses).sum() / weights.sum().clamp(min=1e-6)
 
 
