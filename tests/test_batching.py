@@ -126,7 +126,8 @@ def test_a_cancelled_row_leaves_between_rounds_and_a_new_one_takes_its_slot(rand
         assert finished[i].token_ids == engine.generate(r.prompt_ids, r.max_new_tokens, r.sampling).token_ids
 
 
-@pytest.mark.parametrize("denoise, threshold", [("prefix", 0.0), ("prefix", 0.5), ("sub-block", 0.0), ("full-block", 0.0)])
+@pytest.mark.parametrize("denoise, threshold", [("sliding", 0.0), ("sliding", 0.5), ("prefix", 0.0), ("sub-block", 0.0),
+                                                ("full-block", 0.0)])
 def test_block_diffusion_rows_denoise_together(random_models, monkeypatch, denoise, threshold):
     """In a batch, rows that need a denoising pass run it in one packed forward, and every row
     still drafts what it drafts alone (the round records of `_check_batches`)."""

@@ -49,7 +49,8 @@ def test_training_layout_mask():
 
 def _reference_logits(d: BlockDiffusionDrafter, committed: list[int]) -> torch.Tensor:
     """Logits predicting position len(committed), computed from scratch by the definition: the
-    block's known tokens and masks (in prefix mode only through the active sub-block's end)."""
+    block's known tokens and masks (in prefix mode only through the active sub-block's end, in
+    sliding mode through the end of a sub-block-sized window that starts at that position)."""
     model, n = d.model, len(committed)
     full = n // B * B
     cache = model.new_cache(200)
@@ -60,6 +61,8 @@ def _reference_logits(d: BlockDiffusionDrafter, committed: list[int]) -> torch.T
     block = committed[full:] + [MASK] * (full + B - n)
     if d.denoise == "prefix":
         block = block[:(n - full) // S * S + S]
+    elif d.denoise == "sliding":
+        block = block[:n - full + S]
     logits = model(torch.tensor([block]), full, cache, block_size=B, commit=False)
     return logits[0, n - full - 1]  # token shift: position n is read at n - 1
 
@@ -68,6 +71,7 @@ def _reference_logits(d: BlockDiffusionDrafter, committed: list[int]) -> torch.T
 @pytest.mark.parametrize("n", [3, 8, 11, 16, 21])
 def test_first_draft_token_uses_the_token_shift(drafter, n, denoise):
     drafter.denoise = denoise
+    drafter.unmask_threshold = 0.0  # one pass decides the whole window, from the definition's masks
     committed = torch.randint(2, 90, (n,), generator=torch.Generator().manual_seed(n)).tolist()
     drafter.begin(committed)
     (token,), (conf,) = drafter.draft(1)
@@ -192,7 +196,7 @@ class _WidthRecorder:
         return getattr(self.model, name)
 
 
-@pytest.mark.parametrize("denoise", ["prefix", "sub-block", "full-block"])
+@pytest.mark.parametrize("denoise", DENOISE_MODES)
 def test_sub_block_mode_computes_only_the_active_positions(tmp_path, denoise):
     folder = write_model(tmp_path / "d", tiny_config(mask_token_id=MASK, block_size=B, sub_block_size=S), seed=4)
     d = BlockDiffusionDrafter(load_model(folder, dtype=torch.float64), vocab_limit=96, unmask_threshold=0.0,
@@ -203,6 +207,17 @@ def test_sub_block_mode_computes_only_the_active_positions(tmp_path, denoise):
     d.draft(5 + 4)              # threshold 0: one pass per sub-block; then block 1's first sub-block
     if denoise == "full-block":
         assert recorder.widths == [B, B, B, B]
+    elif denoise == "sliding":
+        # [0,7): a window of S masks from position 3, attending to nothing after it; [3,8): the
+        # rest of block 0 (positions 3..6 were masks in their scratch K/V); [0,8) commits block 0;
+        # [0,4): block 1's first window (its first token comes from the boundary)
+        assert recorder.widths == [B - 1, B - 3, B, S]
+        d.draft(4)              # block 1's next window, 4..7: positions 1..3 changed
+        assert recorder.widths[-1] == B - 1
+        block_1 = d.block[:]
+        d.begin(d.cache_ids + block_1[:5])  # the next round accepts 4 tokens of block 1
+        d.draft(3)                          # its scratch K/V stay valid: only positions 4..7 again
+        assert recorder.widths[-1] == B - 4
     elif denoise == "prefix":
         # [0,4): the first sub-block, attending to nothing after it; [3,8): position 3 was a mask
         # when its scratch K/V were written; [0,8) commits block 0; [0,4): block 1's first sub-block

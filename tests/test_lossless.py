@@ -30,9 +30,11 @@ def hf_greedy(folder: Path, prompt: list[int], max_new: int, eos: int | None = N
     return out[0, len(prompt):].tolist()
 
 
-# Block-diffusion drafting options: prefix passes (default), Fast-dLLM v2's sub-block passes and
-# exact full-block passes, at one pass per sub-block (threshold 0, default) and at the paper's.
-DLLM_OPTIONS = {"random-dllm": {}, "random-dllm-sub-block": dict(denoise="sub-block"),
+# Block-diffusion drafting options: sliding windows (default), aligned prefix passes, Fast-dLLM
+# v2's sub-block passes and exact full-block passes, at one pass per window (threshold 0,
+# default) and at the paper's.
+DLLM_OPTIONS = {"random-dllm": {}, "random-dllm-prefix": dict(denoise="prefix"),
+                "random-dllm-sub-block": dict(denoise="sub-block"),
                 "random-dllm-full-block": dict(denoise="full-block", unmask_threshold=0.05)}
 
 
@@ -67,8 +69,8 @@ def test_trained_block_diffusion_drafter_is_lossless_with_long_drafts(trained_pa
     target = load_model(target_dir, dtype=torch.float64)
     drafter = load_model(drafter_dir, dtype=torch.float64)
     expected = hf_greedy(target_dir, prompt, 90)
-    for options in ({}, dict(denoise="sub-block"), dict(denoise="full-block"), dict(unmask_threshold=0.05),
-                    dict(sub_block_size=8)):
+    for options in ({}, dict(denoise="prefix"), dict(denoise="sub-block"), dict(denoise="full-block"),
+                    dict(unmask_threshold=0.05), dict(sub_block_size=8)):
         for policy in (FailFast(tau=0.45, chunk=10, max_draft=40), Fixed(20), Fixed(3), CostAware(CPU_COSTS)):
             result = SpeculativeEngine(target, make_drafter(target, drafter, **options), policy).generate(prompt, 90)
             assert result.token_ids == expected, (policy.name, options)
