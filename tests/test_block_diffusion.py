@@ -12,6 +12,7 @@ from failfast.train.objectives import block_diffusion_layout_mask
 from tests.helpers import tiny_config, write_model
 
 B, S, MASK = 8, 4, 95
+WANT = 3  # draft tokens asked for at once: a sliding window's size
 
 
 @pytest.fixture
@@ -50,7 +51,7 @@ def test_training_layout_mask():
 def _reference_logits(d: BlockDiffusionDrafter, committed: list[int]) -> torch.Tensor:
     """Logits predicting position len(committed), computed from scratch by the definition: the
     block's known tokens and masks (in prefix mode only through the active sub-block's end, in
-    sliding mode through the end of a sub-block-sized window that starts at that position)."""
+    sliding mode through the end of the WANT-token window asked for from that position)."""
     model, n = d.model, len(committed)
     full = n // B * B
     cache = model.new_cache(200)
@@ -62,7 +63,7 @@ def _reference_logits(d: BlockDiffusionDrafter, committed: list[int]) -> torch.T
     if d.denoise == "prefix":
         block = block[:(n - full) // S * S + S]
     elif d.denoise == "sliding":
-        block = block[:n - full + S]
+        block = block[:n - full + WANT]
     logits = model(torch.tensor([block]), full, cache, block_size=B, commit=False)
     return logits[0, n - full - 1]  # token shift: position n is read at n - 1
 
@@ -74,7 +75,8 @@ def test_first_draft_token_uses_the_token_shift(drafter, n, denoise):
     drafter.unmask_threshold = 0.0  # one pass decides the whole window, from the definition's masks
     committed = torch.randint(2, 90, (n,), generator=torch.Generator().manual_seed(n)).tolist()
     drafter.begin(committed)
-    (token,), (conf,) = drafter.draft(1)
+    tokens, confs = drafter.draft(WANT)
+    token, conf = tokens[0], confs[0]
     logits = _reference_logits(drafter, committed)[:96].clone()
     logits[MASK] = float("-inf")
     probs = logits.softmax(-1)
@@ -208,16 +210,15 @@ def test_sub_block_mode_computes_only_the_active_positions(tmp_path, denoise):
     if denoise == "full-block":
         assert recorder.widths == [B, B, B, B]
     elif denoise == "sliding":
-        # [0,7): a window of S masks from position 3, attending to nothing after it; [3,8): the
-        # rest of block 0 (positions 3..6 were masks in their scratch K/V); [0,8) commits block 0;
-        # [0,4): block 1's first window (its first token comes from the boundary)
-        assert recorder.widths == [B - 1, B - 3, B, S]
-        d.draft(4)              # block 1's next window, 4..7: positions 1..3 changed
-        assert recorder.widths[-1] == B - 1
+        # one pass per request, of the tokens asked for: [0,8) drafts 3..7, attending to nothing
+        # after it; [0,8) commits block 0; block 1's first 4 tokens: the boundary's and [0,4)
+        assert recorder.widths == [B, B, S]
+        d.draft(2)              # the window 4..5 after positions 1..3, which changed
+        assert recorder.widths[-1] == 6 - 1
         block_1 = d.block[:]
-        d.begin(d.cache_ids + block_1[:5])  # the next round accepts 4 tokens of block 1
-        d.draft(3)                          # its scratch K/V stay valid: only positions 4..7 again
-        assert recorder.widths[-1] == B - 4
+        d.begin(d.cache_ids + block_1[:4])  # the next round accepts 3 tokens of block 1
+        d.draft(2)                          # scratch K/V valid up to 3, whose output predicts 4: 3..5
+        assert recorder.widths[-1] == 6 - 3
     elif denoise == "prefix":
         # [0,4): the first sub-block, attending to nothing after it; [3,8): position 3 was a mask
         # when its scratch K/V were written; [0,8) commits block 0; [0,4): block 1's first sub-block

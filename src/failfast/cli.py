@@ -325,9 +325,11 @@ def _add_model_flags(g: argparse.ArgumentParser) -> None:
                    help="block-diffusion: unmask every position above this confidence per pass (0: one pass "
                         "per sub-block; the paper uses 0.05)")
     g.add_argument("--denoise", choices=list(DENOISE_MODES), default=DEFAULT_DENOISE,
-                   help="block-diffusion pass: prefix (the active sub-block against cached K/V of what precedes "
-                        "it; default), sub-block (Fast-dLLM v2's block cache) or full-block (exact)")
-    g.add_argument("--sub-block", type=int, help="block-diffusion sub-block size (default: the drafter's config)")
+                   help="block-diffusion pass: sliding (a sub-block-sized window of masks from the first "
+                        "undecoded token, against cached K/V of what precedes it; default), prefix (the same over "
+                        "aligned sub-blocks), sub-block (Fast-dLLM v2's block cache) or full-block (exact)")
+    g.add_argument("--sub-block", type=int,
+                   help="block-diffusion sub-block (window) size (default: the drafter's config)")
     g.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=None,
                    help="prompt lookup: a round drafts a copy of what followed the last tokens' earlier "
                         "occurrence; rounds with nothing to copy use the drafter. On by default in front of a "

@@ -43,7 +43,7 @@ class MethodSpec:
     kind: str                      # ar | hf | hf-assisted | vllm | <drafter>-drafter | lookup | oracle
     policy: Policy | PolicyFactory | None = None
     unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD
-    denoise: str = DEFAULT_DENOISE  # block-diffusion pass: prefix, sub-block (block cache) or full-block
+    denoise: str = DEFAULT_DENOISE  # block-diffusion pass: sliding, prefix, sub-block (block cache) or full-block
     sub_block_size: int | None = None  # None: the drafter's config
     schedule: str | None = None    # transformers assisted generation schedule
     drafter_dtype: torch.dtype | None = None  # None: the target's dtype
@@ -89,6 +89,8 @@ def default_methods() -> list[MethodSpec]:
         MethodSpec("failfast-u0.3", "dllm-drafter", ff, unmask_threshold=0.3),
         MethodSpec("failfast-u0.05", "dllm-drafter", ff, unmask_threshold=0.05),  # the paper's threshold
         MethodSpec("failfast-u0.9", "dllm-drafter", ff, unmask_threshold=0.9),  # several passes per sub-block
+        MethodSpec("failfast-prefix", "dllm-drafter", ff, denoise="prefix"),  # windows aligned to sub-blocks
+        MethodSpec("dllm-fixed-4-prefix", "dllm-drafter", Fixed(4), denoise="prefix"),
         MethodSpec("failfast-full-block", "dllm-drafter", ff, denoise="full-block"),
         MethodSpec("failfast-sub-block", "dllm-drafter", ff, denoise="sub-block"),  # Fast-dLLM v2's block cache
         MethodSpec("failfast-s4", "dllm-drafter", ff, sub_block_size=4),
