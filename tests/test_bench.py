@@ -141,3 +141,13 @@ def test_acceptance_by_position_conditions_on_the_earlier_tokens():
               RoundStats(drafted=2, accepted=0, drafter_forwards=1, confidences=[]),   # 0 no
               RoundStats(drafted=0, accepted=0, drafter_forwards=0, confidences=[])]   # nothing verified
     assert acceptance_by_position(rounds, positions=5) == [pytest.approx(2 / 3), 0.5, 1.0, 1.0, None]
+
+
+def test_interleaved_runs_rotate_the_order_of_methods_each_repeat():
+    from failfast.bench.timing import interleaved_runs
+
+    calls: list[str] = []
+    methods = {name: (lambda name=name: calls.append(name) or name) for name in "abc"}
+    times, outputs = interleaved_runs(methods, repeats=3, warmup=1, rotation=1)
+    assert calls == list("abc") + list("bca") + list("cab") + list("abc")  # warm-up in order, then rotated
+    assert outputs == {"a": "a", "b": "b", "c": "c"} and all(len(t) == 3 for t in times.values())

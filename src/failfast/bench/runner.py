@@ -59,7 +59,7 @@ def run_bench(factory: MethodFactory, specs: list[MethodSpec], prompts: list[Pro
             ids = tokenizer.encode(prompt.text)
             reference = runners[BASELINE](ids, max_new_tokens, []).token_ids
             methods = {name: partial(run, ids, max_new_tokens, reference) for name, run in runners.items()}
-            times, outputs = interleaved_runs(methods, repeats, warmup if i == 0 else 0)
+            times, outputs = interleaved_runs(methods, repeats, warmup if i == 0 else 0, rotation=i * repeats)
             check_lossless(prompt.id, outputs, peers)
             results.append(PromptResult(prompt.id, len(ids), times, outputs))
             bar.advance(task)
