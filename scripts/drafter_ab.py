@@ -7,6 +7,10 @@ geometric-mean) speedup over plain AR, its tokens per target forward and its acc
 draft positions 1-4.
 
     python scripts/drafter_ab.py OLD NEW [--fixed 5] [--dataset heldout] [--prompts 12] [--repeats 2]
+                                         [--temperature 0.8 --seed 1]
+
+With a temperature every method samples (seeded, so each reproduces plain sampling token for
+token) and the drafters draft with the verifier's noise (coupled drafting).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from failfast.bench.datasets import load_dataset
 from failfast.bench.methods import MethodFactory, MethodSpec
 from failfast.bench.report import summarize
 from failfast.bench.runner import BASELINE, run_bench
+from failfast.decode.sampling import SamplingParams
 from failfast.embedded import resolve_model
 from failfast.model.precision import default_dtype
 
@@ -34,9 +39,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ap.add_argument("--seed", type=int, default=1, help="sampling seed")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    factory = MethodFactory(resolve_model("target"), {"old": args.old, "new": args.new}, default_dtype("cpu"))
+    sampling = SamplingParams(temperature=args.temperature, seed=args.seed)
+    factory = MethodFactory(resolve_model("target"), {"old": args.old, "new": args.new}, default_dtype("cpu"),
+                            sampling=sampling)
     specs = [MethodSpec(BASELINE, "ar")]
     for which in ("old", "new"):
         specs += [MethodSpec(f"{which} FailFast", f"{which}-drafter", drafter_failfast()),
