@@ -61,6 +61,21 @@ def test_measure_costs_times_every_point(random_models):
     assert drafter.forwards > 0
 
 
+def test_drafts_are_timed_in_the_policys_chunks(random_models):
+    """A sliding block-diffusion window drafts one request per pass: timing one request of 16
+    tokens would price a chunk of 4 at a quarter of its passes."""
+    target = load_model(random_models["target"])
+    drafter = make_drafter(target, load_model(random_models["random-dllm"]))
+    asked: list[int] = []
+    real = drafter.draft
+    drafter.draft = lambda count: asked.append(count) or real(count)
+    measure_costs(target, drafter, prompt_of(12), repeats=1, chunk=4)
+    assert asked and max(asked) == 4
+    one_request = make_drafter(target, load_model(random_models["random-dllm"]))
+    measure_costs(target, one_request, prompt_of(12), repeats=1)
+    assert drafter.forwards > one_request.forwards  # more passes for the same 16 tokens
+
+
 def test_a_block_drafter_is_timed_on_one_pass(random_models):
     """A DFlash pass drafts block_size - 1 tokens; timing 16 would add a second pass for one token."""
     target = load_model(random_models["target"])

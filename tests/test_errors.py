@@ -43,7 +43,8 @@ def test_block_diffusion_drafter_without_mask_token(target, tmp_path):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(unmask_threshold=1.5), "unmask threshold"), (dict(denoise="half-block"), "denoising pass"),
-    (dict(sub_block_size=3, denoise="prefix"), "must divide the block size 8"), (dict(sub_block_size=16), "must divide"),
+    (dict(sub_block_size=3, denoise="prefix"), "must divide the block size 8"), (dict(sub_block_size=16, denoise="prefix"), "must divide"),
+    (dict(sub_block_size=16), "sliding window must hold 1 to 8"),
 ])
 def test_bad_block_diffusion_options(target, tmp_path, kwargs, message):
     folder = write_model(tmp_path / "dllm", tiny_config(mask_token_id=95, block_size=8, sub_block_size=4), seed=1)

@@ -70,7 +70,7 @@ def test_trained_block_diffusion_drafter_is_lossless_with_long_drafts(trained_pa
     drafter = load_model(drafter_dir, dtype=torch.float64)
     expected = hf_greedy(target_dir, prompt, 90)
     for options in ({}, dict(denoise="prefix"), dict(denoise="sub-block"), dict(denoise="full-block"),
-                    dict(unmask_threshold=0.05), dict(sub_block_size=8)):
+                    dict(unmask_threshold=0.05), dict(sub_block_size=8), dict(denoise="prefix", sub_block_size=8)):
         for policy in (FailFast(tau=0.45, chunk=10, max_draft=40), Fixed(20), Fixed(3), CostAware(CPU_COSTS)):
             result = SpeculativeEngine(target, make_drafter(target, drafter, **options), policy).generate(prompt, 90)
             assert result.token_ids == expected, (policy.name, options)

@@ -323,13 +323,15 @@ def _add_model_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--max-draft", type=int, default=60, help="FailFast / cost-aware maximum draft N_max")
     g.add_argument("--unmask-threshold", type=float, default=DEFAULT_UNMASK_THRESHOLD,
                    help="block-diffusion: unmask every position above this confidence per pass (0: one pass "
-                        "per sub-block; the paper uses 0.05)")
+                        "per window; the paper uses 0.05)")
     g.add_argument("--denoise", choices=list(DENOISE_MODES), default=DEFAULT_DENOISE,
-                   help="block-diffusion pass: sliding (a sub-block-sized window of masks from the first "
-                        "undecoded token, against cached K/V of what precedes it; default), prefix (the same over "
-                        "aligned sub-blocks), sub-block (Fast-dLLM v2's block cache) or full-block (exact)")
+                   help="block-diffusion pass: sliding (a window of as many masks as the policy asks for at once, "
+                        "from the first undecoded token, against cached K/V of what precedes it; default), prefix "
+                        "(the same over aligned sub-blocks), sub-block (Fast-dLLM v2's block cache) or full-block "
+                        "(exact)")
     g.add_argument("--sub-block", type=int,
-                   help="block-diffusion sub-block (window) size (default: the drafter's config)")
+                   help="block-diffusion: a fixed sliding window of S tokens, or with another --denoise the "
+                        "sub-block size (default: the policy's request; the drafter's config)")
     g.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=None,
                    help="prompt lookup: a round drafts a copy of what followed the last tokens' earlier "
                         "occurrence; rounds with nothing to copy use the drafter. On by default in front of a "

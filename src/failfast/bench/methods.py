@@ -44,7 +44,7 @@ class MethodSpec:
     policy: Policy | PolicyFactory | None = None
     unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD
     denoise: str = DEFAULT_DENOISE  # block-diffusion pass: sliding, prefix, sub-block (block cache) or full-block
-    sub_block_size: int | None = None  # None: the drafter's config
+    sub_block_size: int | None = None  # None: the drafter's config (sliding: each request's size)
     schedule: str | None = None    # transformers assisted generation schedule
     drafter_dtype: torch.dtype | None = None  # None: the target's dtype
     drafter_int8: bool | None = None  # int8 weights in the drafter's linear layers; None: where they pay (model/int8.py)
@@ -93,8 +93,9 @@ def default_methods() -> list[MethodSpec]:
         MethodSpec("dllm-fixed-4-prefix", "dllm-drafter", Fixed(4), denoise="prefix"),
         MethodSpec("failfast-full-block", "dllm-drafter", ff, denoise="full-block"),
         MethodSpec("failfast-sub-block", "dllm-drafter", ff, denoise="sub-block"),  # Fast-dLLM v2's block cache
-        MethodSpec("failfast-s4", "dllm-drafter", ff, sub_block_size=4),
-        MethodSpec("failfast-s16", "dllm-drafter", ff, sub_block_size=16),
+        MethodSpec("failfast-s4", "dllm-drafter", ff, sub_block_size=4, denoise="prefix"),  # aligned sub-blocks of 4
+        MethodSpec("failfast-s16", "dllm-drafter", ff, sub_block_size=16, denoise="prefix"),
+        MethodSpec("failfast-window8", "dllm-drafter", ff, sub_block_size=8),  # sliding windows fixed at 8
         MethodSpec("failfast-drafter-fp32", "dllm-drafter", ff, drafter_dtype=torch.float32),
         # int8 drafter weights (model/int8.py): on by default where they pay, so the A/B of each
         # kind is the method against its -no-int8 or -int8 twin

@@ -61,11 +61,13 @@ def _interleaved_median_ms(fns: list[Callable[[], None]], repeats: int) -> list[
 
 @torch.inference_mode()
 def measure_costs(target: LoadedModel, drafter: Drafter, prompt_ids: list[int], *,
-                  draft_tokens: int = 16, repeats: int = 5) -> CostProfile:
+                  draft_tokens: int = 16, repeats: int = 5, chunk: int | None = None) -> CostProfile:
     """Time target forwards of `VERIFY_POINTS` tokens after the prompt, and a `draft_tokens`
     draft after it in steady state (the warm-up fills the drafter's cache with the prompt,
-    as earlier rounds of a generation do). A block drafter that drafts `tokens_per_pass` at
-    once is timed on one pass (a second pass for one more token would double the estimate)."""
+    as earlier rounds of a generation do), asked for `chunk` tokens at a time as the policy
+    will ask (a sliding block-diffusion window drafts one request per pass). A block drafter
+    that drafts `tokens_per_pass` at once is timed on one pass (a second pass for one more
+    token would double the estimate)."""
     # behind prompt lookup, time the model drafter: copies cost nothing, and the first prompt
     # may hold none or many of them
     drafter = getattr(drafter, "inner", None) or drafter
@@ -90,7 +92,7 @@ def measure_costs(target: LoadedModel, drafter: Drafter, prompt_ids: list[int], 
     def draft() -> None:
         drafter.begin(list(prompt_ids))
         drafted = 0
-        while drafted < draft_tokens and (new := drafter.draft(draft_tokens - drafted)[0]):
+        while drafted < draft_tokens and (new := drafter.draft(min(draft_tokens - drafted, chunk or draft_tokens))[0]):
             drafted += len(new)
     *verify_ms, draft_ms = _interleaved_median_ms([verify(k) for k in VERIFY_POINTS] + [draft], repeats)
     return CostProfile(tuple(zip(VERIFY_POINTS, verify_ms)), draft_ms / draft_tokens)

@@ -70,7 +70,7 @@ class FailFast(StatelessRounds):
     """Paper Algorithm 1: draft `chunk` tokens; while all are confident, draft more, up to `max_draft`."""
 
     tau: float = 0.45
-    chunk: int = 8  # the drafter's sub-block: one denoising pass per chunk (README, "Choosing the drafting defaults")
+    chunk: int = 8  # the paper's N; each drafter kind has its own measured default (README, "Choosing the drafting defaults")
     max_draft: int = 60
 
     def __post_init__(self) -> None:
@@ -205,6 +205,6 @@ def cost_aware(chunk: int | None = None, max_draft: int = 60) -> PolicyFactory:
     """CostAware with costs measured on the loaded models after the first request's prompt;
     chunk N defaults to the drafter's FailFast chunk (capped at `max_draft`)."""
     def build(target: "LoadedModel", drafter: "Drafter", prompt_ids: list[int]) -> Policy:
-        return CostAware(measure_costs(target, drafter, prompt_ids), chunk=_chunk_for(drafter, chunk, max_draft),
-                         max_draft=max_draft)
+        n = _chunk_for(drafter, chunk, max_draft)
+        return CostAware(measure_costs(target, drafter, prompt_ids, chunk=n), chunk=n, max_draft=max_draft)
     return build

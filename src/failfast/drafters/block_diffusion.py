@@ -43,14 +43,14 @@ DENOISE_MODES = ("sliding", "prefix", "sub-block", "full-block")
 DEFAULT_DENOISE = "sliding"
 _PREFIX_ATTENTION = ("sliding", "prefix")  # modes that attend only up to the window's end
 # Chosen by measurement on the embedded models (README "Choosing the drafting defaults"): one
-# pass per sub-block (threshold 0) was faster than the paper's 0.05 on every held-out run.
+# pass per window (threshold 0) was faster than the paper's 0.05 on every held-out run.
 DEFAULT_UNMASK_THRESHOLD = 0.0
 
 
 @dataclass(frozen=True)
 class _Pass:
     """One denoising pass: block positions [lo, hi) forwarded, the masked positions it
-    predicts, the end of their sub-block, and the block position its attention reads up to."""
+    predicts, the end of their window, and the block position its attention reads up to."""
 
     lo: int
     hi: int
@@ -83,9 +83,10 @@ class BlockDiffusionDrafter(ModelDrafter):
         if denoise not in DENOISE_MODES:
             raise PolicyError(f"denoising pass must be one of {', '.join(DENOISE_MODES)}, got {denoise!r}")
         sub = sub_block_size or cfg.sub_block_size or cfg.block_size
-        if not 1 <= sub <= cfg.block_size or (cfg.block_size % sub and denoise != "sliding"):
-            raise PolicyError(f"sub-block size must divide the block size {cfg.block_size} (a sliding window: at "
-                              f"most the block size), got {sub}")
+        if denoise == "sliding" and not 1 <= sub <= cfg.block_size:
+            raise PolicyError(f"a sliding window must hold 1 to {cfg.block_size} tokens (the block size), got {sub}")
+        if denoise != "sliding" and (not 1 <= sub <= cfg.block_size or cfg.block_size % sub):
+            raise PolicyError(f"sub-block size must divide the block size {cfg.block_size}, got {sub}")
         super().__init__(loaded, vocab_limit, banned=(cfg.mask_token_id,), draft_vocab=draft_vocab)
         self.mask_id = cfg.mask_token_id
         self.block_size = cfg.block_size
@@ -123,7 +124,7 @@ class BlockDiffusionDrafter(ModelDrafter):
         self.block = committed[full:] + [self.mask_id] * (full + b - n)
         self.block_confs: list[float] = [1.0] * (n - full) + [0.0] * (full + b - n)
         self.handed = n - full  # block index of the next token to hand to the engine
-        self.ready = n - full   # block index up to which tokens are decoded (sub-block complete)
+        self.ready = n - full   # block index up to which tokens are decoded (window complete)
         if self.denoise not in _PREFIX_ATTENTION or self.scratch_base != self.cache.length:
             self._new_block_scratch()
 
@@ -171,7 +172,7 @@ class BlockDiffusionDrafter(ModelDrafter):
 
     def _apply_pass(self, plan: _Pass, logits: Tensor) -> None:
         """Unmask from a pass's logits [len(plan.masked), V]: every position above the
-        threshold and always the most confident one; the sub-block is decoded when none is left."""
+        threshold and always the most confident one; the window is decoded when none is left."""
         self.scratch_ids[plan.lo:plan.hi] = self.block[plan.lo:plan.hi]
         self.forwards += 1
         tok, conf = self.pick(logits, [self.cache.length + j for j in plan.masked])

@@ -78,9 +78,9 @@ def weighted_cross_entropy(hidden: Tensor, lm_head: nn.Module, labels: Tensor, w
     those rows, as in drafting, and labels outside it carry no loss.
 
     With `teacher` (the target's final hidden states [N, hidden] at the position before each
-    label) the labels are soft: the target's own next-token distribution (over `vocab`,
-    renormalised), which greedy verification checks the mode of and sampled verification
-    draws from; a sampled row's token is then no longer a noisy label."""
+    label) the labels are soft: the target's own next-token distribution at temperature 1
+    (over `vocab`, renormalised), whose mode greedy verification checks; a sampled row's
+    token is then no longer a noisy label."""
     head = lm_head.weight if vocab is None else lm_head.weight[vocab.to(hidden.device)]
     logits = F.linear(hidden, head).float()
     if teacher is not None:
