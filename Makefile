@@ -84,7 +84,7 @@ DRAFT_VOCAB := 2048
 # A stage that spans sessions resumes from its committed 16-bit resume point when runs/ is gone.
 RESUME_POINT = $(if $(wildcard training/$(1)/state.json),--resume-from training/$(1))
 
-models: $(RUNS)/drafter-ar-sd2/training.json $(RUNS)/drafter-dllm-sd4/training.json $(RUNS)/dflash-drafter-v4/training.json $(RUNS)/eagle3-drafter-v3/training.json
+models: $(RUNS)/drafter-ar-sd2/training.json $(RUNS)/drafter-dllm-sd5/training.json $(RUNS)/dflash-drafter-v5/training.json $(RUNS)/eagle3-drafter-v3/training.json
 
 $(RUNS)/data/manifest.json: | venv
 	$(TRAIN) data --out $(RUNS)/data
@@ -157,6 +157,14 @@ $(RUNS)/drafter-dllm-sd4/training.json: $(RUNS)/drafter-dllm-sd3/training.json $
 	$(TRAIN) diffusion --init $(RUNS)/drafter-dllm-sd3 --rows $(RUNS)/selfdistill-all --out $(RUNS)/drafter-dllm-sd4 $(DLLM_SD4_FLAGS) $(COMMON)
 	$(TRAIN) draft-vocab --rows $(RUNS)/selfdistill-all --out $(RUNS)/drafter-dllm-sd4 --draft-vocab-size $(DRAFT_VOCAB)
 
+# A fourth pass (2026-12-06, eighth session, 1 thread): suffix masks (known tokens, then masks to
+# the block's end: what a sliding window meets) for half the blocks, the k-th masked token of a
+# block weighted by exp(-(k-1)/4).
+DLLM_SD5_FLAGS := --steps 1500 --lr 7e-4 --warmup 50 --save-every 50 --block-size 32 --sub-block-size 8 --seed 3 --suffix-mask-share 0.5 --decay-gamma 4
+$(RUNS)/drafter-dllm-sd5/training.json: $(RUNS)/drafter-dllm-sd4/training.json
+	$(TRAIN) diffusion --init $(RUNS)/drafter-dllm-sd4 --rows $(RUNS)/selfdistill-all --out $(RUNS)/drafter-dllm-sd5 $(DLLM_SD5_FLAGS) $(COMMON)
+	$(TRAIN) draft-vocab --rows $(RUNS)/selfdistill-all --out $(RUNS)/drafter-dllm-sd5 --draft-vocab-size $(DRAFT_VOCAB)
+
 # The DFlash drafter: fresh Qwen3 layers reading target layers 1, 4 and 7 (2026-12-05, 1 thread
 # with native bf16, 47 min, ~2,300 tok/s; 7 windows per row, full-vocabulary head: the code of then).
 $(RUNS)/dflash-drafter/training.json: $(RUNS)/selfdistill/.complete
@@ -179,6 +187,11 @@ $(RUNS)/dflash-drafter-v3/training.json: $(RUNS)/dflash-drafter-v2/training.json
 DFLASH_V4_FLAGS := --steps 1500 --lr 5e-4 --warmup 50 --save-every 50 --seed 3
 $(RUNS)/dflash-drafter-v4/training.json: $(RUNS)/dflash-drafter-v3/training.json $(RUNS)/selfdistill-all/.complete
 	$(TRAIN) dflash --target $(RUNS)/target-v2 --init $(RUNS)/dflash-drafter-v3 --rows $(RUNS)/selfdistill-all --out $(RUNS)/dflash-drafter-v4 $(DFLASH_V4_FLAGS) --draft-vocab-size $(DRAFT_VOCAB) $(COMMON)
+
+# ... and a fifth pass, 1000 steps (2026-12-06, eighth session, 1 thread).
+DFLASH_V5_FLAGS := --steps 1000 --lr 4e-4 --warmup 50 --save-every 50 --seed 4
+$(RUNS)/dflash-drafter-v5/training.json: $(RUNS)/dflash-drafter-v4/training.json
+	$(TRAIN) dflash --target $(RUNS)/target-v2 --init $(RUNS)/dflash-drafter-v4 --rows $(RUNS)/selfdistill-all --out $(RUNS)/dflash-drafter-v5 $(DFLASH_V5_FLAGS) --draft-vocab-size $(DRAFT_VOCAB) $(COMMON)
 
 # The EAGLE-3 drafter: one fresh layer reading target layers 1, 4 and 7, training-time test over
 # 4 chain steps, loss on its 2048-token draft vocabulary (2026-12-05, 1 thread with native bf16).

@@ -38,7 +38,9 @@ STAGES = {
                       ("block diffusion on the target's self-distilled continuations", "drafter-dllm-sd"),
                       ("more block diffusion on all self-distilled continuations", "drafter-dllm-sd2"),
                       ("a second pass over the self-distilled continuations (seed 1)", "drafter-dllm-sd3"),
-                      ("a third pass, on all 148 shards of continuations (seed 2, peak lr 7e-4)", "drafter-dllm-sd4")]),
+                      ("a third pass, on all 148 shards of continuations (seed 2, peak lr 7e-4)", "drafter-dllm-sd4"),
+                      ("a fourth pass: suffix masks for half the blocks, position decay gamma 4 (seed 3)",
+                       "drafter-dllm-sd5")]),
     "dflash-drafter": ("DFlash-style block drafter: reads the target's layer outputs, shares its embedding and "
                        "output head (z-lab's DFlashDraftModel layout)",
                        [("DFlash training on the target's self-distilled continuations", "dflash-drafter"),
@@ -46,7 +48,8 @@ STAGES = {
                         ("a third pass over the self-distilled continuations (seed 1, peak lr 6e-4)",
                          "dflash-drafter-v3"),
                         ("a fourth pass, on all 148 shards of continuations (seed 3, peak lr 5e-4)",
-                         "dflash-drafter-v4")]),
+                         "dflash-drafter-v4"),
+                        ("a fifth pass, 1000 steps (seed 4, peak lr 4e-4)", "dflash-drafter-v5")]),
     "eagle3-drafter": ("EAGLE-3-style chain drafter: one layer over the target's fused layer outputs and the token "
                        "embedding, shares the target's embedding and output head",
                        [("EAGLE-3 training (training-time test) on the target's self-distilled continuations",
