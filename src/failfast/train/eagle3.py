@@ -53,7 +53,8 @@ def eagle3_loss(model: Eagle3Model, target: Transformer, tokens: Tensor, first_a
         hidden.append(model.logits_input(out[:, :length - 2][:, use]).flatten(0, 1))
         labels.append(tokens[:, 2:][:, use].flatten())
         weights.append(torch.full(labels[-1].shape, math.exp(-s / decay_gamma), device=tokens.device))
-        teacher.append(final[:, 1:length - 1][:, use].flatten(0, 1))  # the target's output before token j + 2
+        if soft_labels:  # the target's output before token j + 2 (a copy per step: only when used)
+            teacher.append(final[:, 1:length - 1][:, use].flatten(0, 1))
     return weighted_cross_entropy(torch.cat(hidden), target.lm_head, torch.cat(labels), torch.cat(weights), vocab,
                                   torch.cat(teacher) if soft_labels else None)
 
