@@ -44,6 +44,7 @@ def test_rows_equal_single_generation_and_bad_lines_are_reported(random_models, 
         {"id": "first", "prompt_ids": [4]},  # duplicate id
         {"prompt_ids": prompt_of(12), "max_new_tokens": 250},  # too long for the 256-token context
         {"prompt_ids": prompt_of(7), "top_k": 5, "temperature": 1.0},  # id: its line number, 7
+        {"id": "penalized", "prompt_ids": prompt_of(3), "repetition_penalty": 3.0, "frequency_penalty": 0.5},
     ]
     out = tmp_path / "results.jsonl"
     code = main(["batch", "--input", str(_write_rows(tmp_path / "in.jsonl", rows)), "--output", str(out),
@@ -53,7 +54,8 @@ def test_rows_equal_single_generation_and_bad_lines_are_reported(random_models, 
     target = load_model(target_dir, dtype=torch.float64)
     plain = SpeculativeEngine(target)
     expected = {"first": plain.generate(prompt_of(5), 20), "sampled": plain.generate(prompt_of(9), 16, SamplingParams(0.8, seed=3)),
-                7: plain.generate(prompt_of(7), 16, SamplingParams(1.0, top_k=5))}
+                7: plain.generate(prompt_of(7), 16, SamplingParams(1.0, top_k=5)),
+                "penalized": plain.generate(prompt_of(3), 16, SamplingParams(repetition_penalty=3.0, frequency_penalty=0.5))}
     assert set(got) == set(expected)
     for row_id, want in expected.items():
         row = got[row_id]

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from failfast import FailFast, SpeculativeEngine, drafter_failfast, load_model, make_drafter
+from failfast import FailFast, SamplingParams, SpeculativeEngine, drafter_failfast, load_model, make_drafter
 from failfast.cli import _load_pipeline, _policy, build_parser, main
 from failfast.drafters.lookup import LookupDrafter
 
@@ -29,6 +29,19 @@ def test_generate_json_matches_the_library(target_dir, capsys):
         assert key in out["stats"]
     assert out["stats"]["tokens"] == len(out["token_ids"])
     assert out["stats"]["accepted"] == out["stats"]["drafted"]  # self-drafting accepts everything
+
+
+def test_penalty_flags_reach_the_sampler(random_models, capsys):
+    target_dir = random_models["target"]
+    code = main(["generate", "--target", str(target_dir), "--drafter", str(random_models["random-dllm"]),
+                 "--prompt-ids", "5,6,7", "--max-new-tokens", "16", "--dtype", "float64", "--json",
+                 "--repetition-penalty", "3", "--presence-penalty", "0.5", "--frequency-penalty", "0.25"])
+    assert code == 0
+    target = load_model(target_dir, dtype=torch.float64)
+    want = SpeculativeEngine(target).generate([5, 6, 7], 16, SamplingParams(repetition_penalty=3.0, presence_penalty=0.5,
+                                                                            frequency_penalty=0.25))
+    assert json.loads(capsys.readouterr().out)["token_ids"] == want.token_ids
+    assert want.token_ids != SpeculativeEngine(target).generate([5, 6, 7], 16).token_ids
 
 
 def test_cost_aware_policy_from_the_cli_is_lossless(random_models, capsys):

@@ -101,6 +101,13 @@ def test_completions_match_generate_greedy_sampled_and_from_token_ids(server, re
                                         top_p=0.95, seed=11, extra_body={"top_k": 20})
     want = reference.generate([5, 17, 33, 8], 40, SamplingParams(0.9, 20, 0.95, 11))
     assert sampled.failfast["token_ids"] == want.token_ids and sampled.choices[0].text == want.text
+    penalized = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0.9, seed=4,
+                                          presence_penalty=1.5, frequency_penalty=0.5,
+                                          extra_body={"repetition_penalty": 1.3})
+    want = reference.generate(PROMPT, 40, SamplingParams(0.9, seed=4, presence_penalty=1.5, frequency_penalty=0.5,
+                                                          repetition_penalty=1.3))
+    assert penalized.failfast["token_ids"] == want.token_ids
+    assert want.token_ids != reference.generate(PROMPT, 40, SamplingParams(0.9, seed=4)).token_ids
     stopped = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0,
                                         stop=[greedy.choices[0].text.split()[3]])
     want = reference.generate(PROMPT, 40, stop=[greedy.choices[0].text.split()[3]])
@@ -179,6 +186,10 @@ def test_bad_requests_get_openai_errors(server):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10_000)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model=MODEL, prompt=PROMPT, temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="presence_penalty must be a number in"):
+        client.completions.create(model=MODEL, prompt=PROMPT, presence_penalty=3)
+    with pytest.raises(openai.BadRequestError, match="repetition_penalty must be a number in"):
+        client.completions.create(model=MODEL, prompt=PROMPT, extra_body={"repetition_penalty": 0})
     with pytest.raises(openai.BadRequestError, match="unrecognized request arguments: colour"):
         client.completions.create(model=MODEL, prompt=PROMPT, extra_body={"colour": "red"})
     with pytest.raises(openai.BadRequestError, match="token ids must be in"):

@@ -27,7 +27,8 @@ from failfast.progress import log_milestone
 from failfast.decode.sampling import SamplingParams
 
 # Per-row fields that override the job's generation flags.
-ROW_OVERRIDES = {"max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "seed": int}
+ROW_OVERRIDES = {"max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "seed": int,
+                 "repetition_penalty": float, "presence_penalty": float, "frequency_penalty": float}
 
 
 @dataclass(frozen=True)

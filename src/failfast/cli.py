@@ -86,7 +86,9 @@ def _drafter_int8(drafter_dtype: str) -> bool | None:
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -303,6 +305,10 @@ def _add_generation_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0, help="same seed, same tokens (with or without a drafter)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide positive logits (multiply negative ones) of tokens seen in the prompt or output; 1: off")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="subtract from the logit of every token the output holds")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="subtract per occurrence in the output")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); output ends before it")
 
 
@@ -374,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     bt = sub.add_parser("batch", help="complete every prompt of a JSONL file; rerun to resume")
     bt.add_argument("--input", required=True, help='JSONL, one object per line: "prompt" (text) or "prompt_ids", '
                     'optional "id" (default: line number), "max_new_tokens", "temperature", "top_k", "top_p", '
-                    '"seed", "stop"')
+                    '"seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop"')
     bt.add_argument("--output", required=True, help="results JSONL (appended to; ids already there are skipped); "
                     "bad rows go to <output>.errors.jsonl")
     bt.add_argument("--batch-size", type=int, default=BATCH_SIZE_DEFAULT,

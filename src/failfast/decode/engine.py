@@ -187,6 +187,7 @@ class SpeculativeEngine:
         seq = _Sequence(index, request, drafter, cache, Sampler(request.sampling, self.target.config.vocab_size),
                         StopStrings(request.stop, tokenizer.decode) if request.stop else None,
                         frozenset(self.target.config.eos_token_ids), list(request.prompt_ids))
+        seq.sampler.follow(request.prompt_ids, seq.generated)
         total = len(request.prompt_ids) + request.max_new_tokens
         if drafter_cache is not None:
             drafter.prepare(total, cache=drafter_cache)  # type: ignore[call-arg]
@@ -277,10 +278,13 @@ class SpeculativeEngine:
             logits, features = out if taps else (out, None)
             spans = {slot: (o, o + n) for slot, o, n in zip(active, ragged.offsets, ragged.lengths)}
         rows = {slot: logits[lo:hi] for slot, (lo, hi) in spans.items()}
-        choices = {}
-        if any(seq.sampler.params.greedy for seq in active.values()):  # one host read for every greedy row
-            picked = logits.argmax(-1).tolist()
-            choices = {slot: picked[slice(*spans[slot])] for slot, seq in active.items() if seq.sampler.params.greedy}
+        penalized = {slot for slot, seq in active.items() if seq.sampler.params.penalized}
+        for slot in penalized:  # each row after the draft prefix it verifies
+            rows[slot] = active[slot].sampler.penalize(rows[slot], drafts[slot][0])
+        greedy = [slot for slot, seq in active.items() if seq.sampler.params.greedy]
+        picked = logits.argmax(-1).tolist() if set(greedy) - penalized else []  # one host read for those rows
+        choices = {slot: rows[slot].argmax(-1).tolist() if slot in penalized else picked[slice(*spans[slot])]
+                   for slot in greedy}
         verify_s = time.perf_counter() - t1
         for slot, seq in active.items():
             draft, confs, passes, draft_s = drafts[slot]

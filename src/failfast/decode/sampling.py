@@ -8,6 +8,10 @@ A drafter that samples may read the same noise (coupled drafting, docs/design.md
 "Engine"): it proposes argmax(its log-probabilities + the position's noise), which equals
 the target's draw whenever the two distributions agree closely enough, so sampled drafts
 are accepted far more often than greedy ones. The target's draw never depends on the draft.
+
+Penalties (repetition, presence, frequency) change the logits by the tokens before a position;
+verification applies them to each of its rows with the draft prefix that row follows, so a
+penalized generation is also the same token for token (docs/design.md, "Penalties").
 """
 
 from __future__ import annotations
@@ -30,6 +34,12 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    # vLLM's and Hugging Face's: a token seen in the prompt or the output so far has its logit
+    # divided by this when positive, multiplied when negative (1 disables it)
+    repetition_penalty: float = 1.0
+    # OpenAI's: subtracted once from the logit of every token the output holds / once per occurrence
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -38,10 +48,45 @@ class SamplingParams:
             raise GenerationInputError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise GenerationInputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise GenerationInputError(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not abs(getattr(self, name)) < float("inf"):
+                raise GenerationInputError(f"{name} must be a finite number, got {getattr(self, name)}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def apply_penalties(logits: Tensor, params: SamplingParams, prompt: Sequence[int], output: Sequence[int],
+                    draft: Sequence[int] = (), columns: Tensor | None = None) -> Tensor:
+    """Penalized logits [R, V'] (in float32 at least) for rows that follow `prompt` + `output`
+    + `draft[:r]` (row r of a verification); the logits cover token ids `columns` (a draft
+    vocabulary) or the first V'. Elementwise per row, so a row comes out the same whether it
+    is verified alone or among others."""
+    scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if not params.penalized:
+        return scores
+    rows, width = scores.shape
+    vocab = max([width, *(t + 1 for t in (*prompt, *output, *draft))] + ([int(columns.max()) + 1] if columns is not None else []))
+    counts = torch.bincount(torch.tensor(list(output), dtype=torch.long), minlength=vocab).to(scores)
+    counts = counts.expand(rows, vocab).clone()
+    for r, token in enumerate(draft[:rows - 1]):  # row r follows the first r draft tokens
+        counts[r + 1:, token] += 1
+    in_prompt = torch.zeros(vocab, dtype=torch.bool)
+    in_prompt[torch.tensor(list(prompt), dtype=torch.long)] = True
+    index = columns.cpu() if columns is not None else torch.arange(width)
+    counts, in_prompt = counts[:, index].to(scores.device), in_prompt[index].to(scores.device)
+    if params.repetition_penalty != 1:
+        seen = in_prompt | (counts > 0)
+        p = params.repetition_penalty
+        scores = torch.where(seen, torch.where(scores > 0, scores / p, scores * p), scores)
+    return scores - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(scores)
 
 
 def processed_logprobs(logits: Tensor, params: SamplingParams) -> Tensor:
@@ -79,6 +124,19 @@ class Sampler:
         self.params = params or SamplingParams()
         self.vocab = vocab
         self._noise: dict[int, Tensor] = {}
+        self.prompt: Sequence[int] = ()
+        self.output: Sequence[int] = ()
+
+    def follow(self, prompt: Sequence[int], output: Sequence[int]) -> None:
+        """The sequence's prompt and output so far (the live list the engine appends to), which
+        penalties read."""
+        self.prompt, self.output = prompt, output
+
+    def penalize(self, logits: Tensor, draft: Sequence[int] = (), columns: Tensor | None = None) -> Tensor:
+        """`apply_penalties` after this sequence's tokens (logits unchanged without penalties)."""
+        if not self.params.penalized:
+            return logits
+        return apply_penalties(logits, self.params, self.prompt, self.output, draft, columns)
 
     def noise(self, position: int, vocab: int, device: torch.device) -> Tensor:
         """The Gumbel noise [vocab] of an absolute position."""

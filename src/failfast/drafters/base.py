@@ -92,12 +92,15 @@ class ModelDrafter:
         """Draft tokens and their probabilities for logits [V] or [N, V] over the target's
         vocabulary, or over the draft vocabulary (logits from `head_weight`), at absolute
         `positions` (one per row): greedy, or with the verifier's noise when this
-        generation samples (coupled drafting)."""
+        generation samples (coupled drafting); penalized as the verifier penalizes after the
+        committed tokens (not the ones drafted this round)."""
         if self.vocab_ids is None:
             logits = logits[..., : self.vocab_limit].float()
             if self.banned:
                 logits = logits.clone()
                 logits[..., self.banned] = float("-inf")
+        if self.sampler is not None and self.sampler.params.penalized:  # as the verifier will, after the committed tokens
+            logits = self.sampler.penalize(logits.reshape(-1, logits.shape[-1]), columns=self.vocab_ids).reshape(logits.shape)
         if self.sampler is not None and not self.sampler.params.greedy:
             tok, conf = self.sampler.draft_choices(logits.reshape(-1, logits.shape[-1]), positions, self.vocab_ids)
             return tok.reshape(logits.shape[:-1]), conf.reshape(logits.shape[:-1])

@@ -1,7 +1,7 @@
 """OpenAI request bodies -> engine requests, and engine results -> OpenAI response bodies.
 
 Parsing is strict, as OpenAI's own API is: a wrong type, an out-of-range value, an unknown
-field or a feature the engine does not have (`n` > 1, logprobs, tools, penalties, ...) is a
+field or a feature the engine does not have (`n` > 1, logprobs, tools, logit_bias, ...) is a
 `BadRequest` naming the parameter, never silently ignored. Defaults follow OpenAI's
 (temperature 1, top_p 1, 16 tokens for completions); a sampled request without a seed
 draws a fresh one, so only seeded requests repeat.
@@ -25,10 +25,11 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 IGNORED = {"model", "user", "metadata", "store"}
 # fields that name features this engine does not have, with the only value that is accepted
 UNSUPPORTED = {"n": 1, "best_of": 1, "logprobs": None, "top_logprobs": None, "echo": False, "suffix": None,
-               "logit_bias": None, "presence_penalty": 0, "frequency_penalty": 0, "tools": None,
+               "logit_bias": None, "tools": None,
                "tool_choice": None, "functions": None, "function_call": None, "parallel_tool_calls": None,
                "response_format": None}
-COMMON = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options"}
+COMMON = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
+          "presence_penalty", "frequency_penalty", "repetition_penalty"}
 COMPLETION_FIELDS = COMMON | {"prompt"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
 
@@ -132,6 +133,9 @@ def _common(body: dict, prompt_ids: list[int], limits: Limits, default_max: int,
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, open_lo=True)
     top_k = _integer(body, "top_k", 0) or 0
+    penalties = dict(presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+                     frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+                     repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 2.0, open_lo=True))
     seed = body.get("seed")
     if seed is not None and not _is_int(seed):
         raise BadRequest(f"seed must be an integer, got {seed!r}", "seed")
@@ -145,7 +149,8 @@ def _common(body: dict, prompt_ids: list[int], limits: Limits, default_max: int,
         raise BadRequest("stream_options supports only include_usage", "stream_options")
     if options and not stream:
         raise BadRequest("stream_options needs stream=true", "stream_options")
-    return ParsedRequest(prompt_ids, max_tokens, SamplingParams(temperature, top_k, top_p, seed), _stops(body),
+    return ParsedRequest(prompt_ids, max_tokens, SamplingParams(temperature, top_k, top_p, seed, **penalties),
+                         _stops(body),
                          stream, bool(options.get("include_usage")))
 
 
