@@ -25,7 +25,7 @@ from failfast.decode.gate import SpeculationGate
 from failfast.decode.policies import Policy, PolicyFactory, is_policy_factory
 from failfast.decode.stats import GenerationStats, RoundStats
 from failfast.decode.stopping import StopStrings
-from failfast.decode.sampling import Sampler, SamplingParams, accept_choices, verify_draft
+from failfast.decode.sampling import Sampler, SamplingParams, accept_choices, greedy_tokens, verify_draft
 
 
 @dataclass
@@ -282,8 +282,8 @@ class SpeculativeEngine:
         for slot in penalized:  # each row after the draft prefix it verifies
             rows[slot] = active[slot].sampler.penalize(rows[slot], drafts[slot][0])
         greedy = [slot for slot, seq in active.items() if seq.sampler.params.greedy]
-        picked = logits.argmax(-1).tolist() if set(greedy) - penalized else []  # one host read for those rows
-        choices = {slot: rows[slot].argmax(-1).tolist() if slot in penalized else picked[slice(*spans[slot])]
+        picked = greedy_tokens(logits) if set(greedy) - penalized else []  # one host read for those rows
+        choices = {slot: greedy_tokens(rows[slot]) if slot in penalized else picked[slice(*spans[slot])]
                    for slot in greedy}
         verify_s = time.perf_counter() - t1
         for slot, seq in active.items():

@@ -63,6 +63,14 @@ class SamplingParams:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
+def greedy_tokens(logits: Tensor) -> list[int]:
+    """The argmax token of each row of logits [..., V] (the first one on ties, as `argmax`).
+    16-bit rows are widened first: PyTorch's CPU argmax over bfloat16 is a slow path (one
+    8,192-wide row: 54 us against 11 us widened; 16 rows: 813 against 222), and the widening
+    is exact."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32)).argmax(-1).tolist()
+
+
 def apply_penalties(logits: Tensor, params: SamplingParams, prompt: Sequence[int], output: Sequence[int],
                     draft: Sequence[int] = (), columns: Tensor | None = None) -> Tensor:
     """Penalized logits [R, V'] (in float32 at least) for rows that follow `prompt` + `output`
@@ -148,7 +156,7 @@ class Sampler:
     def choose(self, logits: Tensor, position: int) -> int:
         """Token for one position from its logits [V]."""
         if self.params.greedy:
-            return int(logits.argmax())
+            return greedy_tokens(logits[None])[0]
         for committed in [p for p in self._noise if p < position]:  # positions before it are final
             del self._noise[committed]
         logp = processed_logprobs(logits, self.params)
@@ -187,7 +195,7 @@ def verify_draft(logits: Tensor, draft: list[int], sampler: Sampler, first_posit
     Exact for any drafter: the target's choice is computed independently of the draft.
     """
     if sampler.params.greedy:
-        return accept_choices(logits.argmax(-1).tolist(), draft)
+        return accept_choices(greedy_tokens(logits), draft)
     for a in range(len(draft) + 1):
         y = sampler.choose(logits[a], first_position + a)
         if a == len(draft) or draft[a] != y:
