@@ -3,6 +3,7 @@ the same penalties, which equals transformers' (repetition) or a from-scratch lo
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
@@ -12,7 +13,8 @@ from transformers import Qwen2ForCausalLM
 from failfast import (FailFast, Fixed, GenerationInputError, GenerationRequest, SamplingParams, SpeculativeEngine,
                       load_model, make_drafter)
 from failfast.decode.sampling import apply_penalties
-from tests.helpers import prompt_of
+from failfast.drafters.factory import DRAFT_VOCAB_FILE
+from tests.helpers import copy_checkpoint, prompt_of, set_eos, write_word_tokenizer
 
 DRAFTERS = ["self", "random-ar", "random-dllm", "random-dflash", "random-eagle3"]
 POLICIES = [Fixed(4), FailFast(), FailFast(tau=0.0, chunk=3, max_draft=12)]
@@ -114,17 +116,51 @@ def test_a_batch_mixing_penalized_and_plain_rows_equals_each_alone(random_models
 def test_penalties_per_verification_row_count_the_draft_prefix():
     logits = torch.tensor([[2.0, -1.0, 0.5, 1.0]] * 3, dtype=torch.float64)
     params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.25, presence_penalty=0.5)
-    out = apply_penalties(logits, params, prompt=[3], output=[0], draft=[2, 2])
+    out = apply_penalties(logits, params, prompt_ids={3}, output_counts=Counter([0]), draft=[2, 2])
     # row 0 follows the output [0]; row 1 also a drafted 2; row 2 two of them (the prompt's 3 is seen, not counted)
     assert out.tolist() == [[1.0 - 0.75, -1.0, 0.5, 0.5],
                             [1.0 - 0.75, -1.0, 0.25 - 0.75, 0.5],
                             [1.0 - 0.75, -1.0, 0.25 - 1.0, 0.5]]
     # over a draft vocabulary: the columns are token ids 3 and 0
-    cols = apply_penalties(logits[:1, :2], params, prompt=[3], output=[0], columns=torch.tensor([3, 0]))
-    assert cols.tolist() == [[1.0, -2.0 - 0.75]]
+    cols = apply_penalties(logits[:1, :2], params, prompt_ids={3}, output_counts=Counter([0]), columns=[0, 3])
+    assert cols.tolist() == [[2.0 / 2 - 0.75, -1.0 * 2]]
+    assert logits[0].tolist() == [2.0, -1.0, 0.5, 1.0]  # the caller's logits are left alone
+
+
+def test_penalties_with_a_draft_vocabulary_bucketed_shapes_stop_strings_and_eos(random_models, tmp_path):
+    """The paths around the choice: a drafter over a reduced vocabulary (penalized by column),
+    padded batch forwards, a stop string and an EOS inside a draft; every row equals its
+    plain, unbatched run."""
+    folder = copy_checkpoint(random_models["random-dllm"], tmp_path / "drafter")
+    (folder / DRAFT_VOCAB_FILE).write_text(json.dumps({"ids": list(range(2, 90, 2))}))
+    target_dir = copy_checkpoint(random_models["target"], tmp_path / "target")
+    write_word_tokenizer(target_dir, 96)
+    plain_target = load_model(target_dir, dtype=torch.float64)
+    eos = SpeculativeEngine(plain_target).generate(prompt_of(7), 20, SamplingParams(repetition_penalty=2.0)).token_ids[12]
+    set_eos(target_dir, eos)
+    target = load_model(target_dir, dtype=torch.float64)
+    drafter = make_drafter(target, load_model(folder, dtype=torch.float64))
+    assert drafter.vocab_list is not None
+    words = SpeculativeEngine(target).generate(prompt_of(4), 30, SamplingParams(frequency_penalty=1.0)).text.split()
+    stop = words[len(words) // 2]
+    requests = [GenerationRequest(prompt_of(7), 20, SamplingParams(repetition_penalty=2.0)),
+                GenerationRequest(prompt_of(4), 30, SamplingParams(frequency_penalty=1.0), stop=(stop,)),
+                GenerationRequest(prompt_of(9, 1), 25, SamplingParams(0.9, seed=5, presence_penalty=1.5)),
+                GenerationRequest(prompt_of(5, 2), 25)]
+    plain = SpeculativeEngine(target)
+    want = [plain.generate(r.prompt_ids, r.max_new_tokens, r.sampling, r.stop) for r in requests]
+    assert want[0].stop_reason == "eos" and want[1].stop_reason == "stop"
+    for bucketed in (False, True):
+        engine = SpeculativeEngine(target, drafter, FailFast(tau=0.0, chunk=3, max_draft=12), bucketed_shapes=bucketed)
+        for batch_size in (1, len(requests)):
+            got = dict(engine.generate_many(requests, batch_size))
+            assert [(got[i].token_ids, got[i].stop_reason) for i in range(len(requests))] == \
+                   [(w.token_ids, w.stop_reason) for w in want], (bucketed, batch_size)
 
 
 @pytest.mark.parametrize("options", [dict(repetition_penalty=0.0), dict(repetition_penalty=-1.0),
+                                     dict(repetition_penalty=1e-46), dict(frequency_penalty=1e39),
+                                     dict(presence_penalty=10 ** 400), dict(temperature=10 ** 400),
                                      dict(presence_penalty=float("nan")), dict(frequency_penalty=float("inf"))])
 def test_bad_penalties_are_refused(options):
     with pytest.raises(GenerationInputError):

@@ -403,7 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="embedded models: complete a prompt, print the default pipeline's speedup over plain AR")
-    d.add_argument("--prompt", default="def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
+    # ends at the docstring, not after its newline: the tokenizer merges a newline with the next
+    # line's indentation, so a prompt ending in a bare newline asks for a top-level line next
+    d.add_argument("--prompt", default="def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"")
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.add_argument("--repeats", type=int, default=3)
     d.set_defaults(func=cmd_demo)

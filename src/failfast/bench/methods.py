@@ -208,8 +208,9 @@ class MethodFactory:
         return run
 
     def runner(self, spec: MethodSpec) -> Runner:
-        if spec.is_peer and not self.sampling.greedy:
-            raise GenerationInputError(f"peer method {spec.name!r} is compared greedily only; drop it or the temperature")
+        if spec.is_peer and (not self.sampling.greedy or self.sampling.penalized):
+            raise GenerationInputError(f"peer method {spec.name!r} is compared greedily without penalties only; "
+                                       "drop it or the sampling settings")
         if spec.kind == "vllm":
             return self._vllm_runner(spec.name)
         if spec.kind == "hf":

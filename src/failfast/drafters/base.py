@@ -57,11 +57,13 @@ class ModelDrafter:
         # A reduced draft vocabulary (docs/design.md, "Draft vocabulary"): the output head runs
         # over these rows only, and drafts can hold only these tokens.
         self.vocab_ids: Tensor | None = None
+        self.vocab_list: list[int] | None = None  # the same ids on the host (penalties look them up)
         self.head_weight: Tensor | None = None
         if draft_vocab is not None:
             ids = sorted({t for t in draft_vocab if 0 <= t < vocab_limit} - set(self.banned))
             if not ids:
                 raise IncompatibleModelsError("the draft vocabulary holds none of the target's tokens")
+            self.vocab_list = ids
             self.vocab_ids = torch.tensor(ids, device=self.model.device)
             self.head_weight = pack_weight(self.model.lm_head.weight.detach()[self.vocab_ids].contiguous())
         self.forwards = 0
@@ -100,7 +102,7 @@ class ModelDrafter:
                 logits = logits.clone()
                 logits[..., self.banned] = float("-inf")
         if self.sampler is not None and self.sampler.params.penalized:  # as the verifier will, after the committed tokens
-            logits = self.sampler.penalize(logits.reshape(-1, logits.shape[-1]), columns=self.vocab_ids).reshape(logits.shape)
+            logits = self.sampler.penalize(logits.reshape(-1, logits.shape[-1]), columns=self.vocab_list).reshape(logits.shape)
         if self.sampler is not None and not self.sampler.params.greedy:
             tok, conf = self.sampler.draft_choices(logits.reshape(-1, logits.shape[-1]), positions, self.vocab_ids)
             return tok.reshape(logits.shape[:-1]), conf.reshape(logits.shape[:-1])
