@@ -20,7 +20,7 @@ import math
 from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass
-from typing import Collection, Mapping, Sequence
+from typing import Collection, Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -87,38 +87,54 @@ def greedy_tokens(logits: Tensor) -> list[int]:
     return logits.argmax(-1).tolist()
 
 
+def token_columns(tokens: Iterable[int], width: int, columns: Sequence[int] | None = None) -> dict[int, int]:
+    """token -> its column among logits that cover the first `width` ids, or the sorted ids
+    `columns` (a draft vocabulary); tokens without a column are left out."""
+    if columns is None:
+        return {t: t for t in sorted(tokens) if 0 <= t < width}
+    found = ((t, bisect_left(columns, t)) for t in sorted(tokens))
+    return {t: i for t, i in found if i < len(columns) and columns[i] == t}
+
+
 def apply_penalties(logits: Tensor, params: SamplingParams, prompt_ids: Collection[int],
                     output_counts: Mapping[int, int], draft: Sequence[int] = (),
-                    columns: Sequence[int] | None = None) -> Tensor:
+                    columns: Sequence[int] | None = None, prompt_index: Tensor | None = None) -> Tensor:
     """Penalized logits [R, V'] (a float32-or-wider copy) for rows that follow a prompt holding
     `prompt_ids`, an output with `output_counts` (token -> occurrences) and `draft[:r]` (row r
     of a verification). The logits cover the token ids `columns` (a draft vocabulary, sorted)
-    or the first V'. Only the columns of tokens seen so far change, so the cost grows with
-    the tokens seen, not the vocabulary; elementwise per row, so a row comes out the same
-    whether it is verified alone or among others."""
+    or the first V'; `prompt_index` (the prompt tokens' columns, `token_columns`) saves
+    finding them again. Only the columns of tokens seen so far change, and the prompt's in
+    one vectorized step, so the cost follows the tokens generated, not the vocabulary or the
+    prompt. Elementwise per row, so a row comes out the same whether it is verified alone or
+    among others."""
     scores = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=True)
+    if not params.penalized:
+        return scores
     rows, width = scores.shape
+    device, p = scores.device, params.repetition_penalty
+
+    def repeat_penalized(x: Tensor) -> Tensor:
+        return torch.where(x > 0, x / p, x * p)
+
+    if p != 1:  # every row has seen every prompt token
+        if prompt_index is None:
+            prompt_index = torch.tensor(list(token_columns(prompt_ids, width, columns).values()), dtype=torch.long)
+        index = prompt_index.to(device)
+        scores[:, index] = repeat_penalized(scores[:, index])
     draft = list(draft[:rows - 1])
-    tokens = sorted(set(prompt_ids).union(output_counts, draft))
-    if columns is None:
-        at = {t: t for t in tokens if t < width}
-    else:
-        found = ((t, bisect_left(columns, t)) for t in tokens)
-        at = {t: i for t, i in found if i < len(columns) and columns[i] == t}
-    if not params.penalized or not at:
+    at = token_columns(set(output_counts).union(draft), width, columns)
+    if not at:
         return scores
     order = {t: j for j, t in enumerate(at)}
     counts = torch.tensor([[float(output_counts.get(t, 0)) for t in at]]).repeat(rows, 1)
     for r, token in enumerate(draft):  # row r follows the first r draft tokens
         if token in order:
             counts[r + 1:, order[token]] += 1
-    device = scores.device
     index = torch.tensor(list(at.values()), device=device)
     sub, counts = scores[:, index], counts.to(device, scores.dtype)
-    if params.repetition_penalty != 1:
-        seen = torch.tensor([t in prompt_ids for t in at], device=device) | (counts > 0)
-        p = params.repetition_penalty
-        sub = torch.where(seen, torch.where(sub > 0, sub / p, sub * p), sub)
+    if p != 1:  # tokens seen in the output (or the draft) only, not already penalized as prompt tokens
+        first_seen = (counts > 0) & ~torch.tensor([t in prompt_ids for t in at], device=device)
+        sub = torch.where(first_seen, repeat_penalized(sub), sub)
     if params.frequency_penalty:
         sub = sub - params.frequency_penalty * counts
     if params.presence_penalty:
@@ -168,6 +184,7 @@ class Sampler:
         """The sequence's prompt and its output (the live list the engine appends to), which
         penalties read; the output's counts are kept up to date as it grows."""
         self._prompt_ids = frozenset(prompt) if self.params.penalized else frozenset()
+        self._prompt_index: dict[tuple[int, int], Tensor] = {}  # (logits width, id of columns) -> prompt columns
         self._output = output
         self._counts: Counter[int] = Counter()
         self._counted = 0
@@ -180,7 +197,12 @@ class Sampler:
             self._counts, self._counted = Counter(), 0
         self._counts.update(self._output[self._counted:])
         self._counted = len(self._output)
-        return apply_penalties(logits, self.params, self._prompt_ids, self._counts, draft, columns)
+        key = (logits.shape[-1], id(columns))  # a drafter's draft vocabulary lives as long as the generation
+        if key not in self._prompt_index:
+            found = token_columns(self._prompt_ids, logits.shape[-1], columns)
+            self._prompt_index[key] = torch.tensor(list(found.values()), dtype=torch.long, device=logits.device)
+        return apply_penalties(logits, self.params, self._prompt_ids, self._counts, draft, columns,
+                               self._prompt_index[key])
 
     def noise(self, position: int, vocab: int, device: torch.device) -> Tensor:
         """The Gumbel noise [vocab] of an absolute position."""
