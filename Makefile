@@ -84,7 +84,7 @@ DRAFT_VOCAB := 2048
 # A stage that spans sessions resumes from its committed 16-bit resume point when runs/ is gone.
 RESUME_POINT = $(if $(wildcard training/$(1)/state.json),--resume-from training/$(1))
 
-models: $(RUNS)/drafter-ar-sd2/training.json $(RUNS)/drafter-dllm-sd5/training.json $(RUNS)/dflash-drafter-v5/training.json $(RUNS)/eagle3-drafter-v3/training.json
+models: $(RUNS)/drafter-ar-sd2/training.json $(RUNS)/drafter-dllm-sd6/training.json $(RUNS)/dflash-drafter-v5/training.json $(RUNS)/eagle3-drafter-v3/training.json
 
 $(RUNS)/data/manifest.json: | venv
 	$(TRAIN) data --out $(RUNS)/data
@@ -164,6 +164,12 @@ DLLM_SD5_FLAGS := --steps 1500 --lr 7e-4 --warmup 50 --save-every 50 --block-siz
 $(RUNS)/drafter-dllm-sd5/training.json: $(RUNS)/drafter-dllm-sd4/training.json
 	$(TRAIN) diffusion --init $(RUNS)/drafter-dllm-sd4 --rows $(RUNS)/selfdistill-all --out $(RUNS)/drafter-dllm-sd5 $(DLLM_SD5_FLAGS) $(COMMON)
 	$(TRAIN) draft-vocab --rows $(RUNS)/selfdistill-all --out $(RUNS)/drafter-dllm-sd5 --draft-vocab-size $(DRAFT_VOCAB)
+
+# A fifth pass (2026-12-07, 1 thread): suffix masks for three blocks in four, peak lr 5e-4.
+DLLM_SD6_FLAGS := --steps 1500 --lr 5e-4 --warmup 50 --save-every 50 --block-size 32 --sub-block-size 8 --seed 5 --suffix-mask-share 0.75 --decay-gamma 4
+$(RUNS)/drafter-dllm-sd6/training.json: $(RUNS)/drafter-dllm-sd5/training.json
+	$(TRAIN) diffusion --init $(RUNS)/drafter-dllm-sd5 --rows $(RUNS)/selfdistill-all --out $(RUNS)/drafter-dllm-sd6 $(DLLM_SD6_FLAGS) $(COMMON)
+	$(TRAIN) draft-vocab --rows $(RUNS)/selfdistill-all --out $(RUNS)/drafter-dllm-sd6 --draft-vocab-size $(DRAFT_VOCAB)
 
 # The DFlash drafter: fresh Qwen3 layers reading target layers 1, 4 and 7 (2026-12-05, 1 thread
 # with native bf16, 47 min, ~2,300 tok/s; 7 windows per row, full-vocabulary head: the code of then).

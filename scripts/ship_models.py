@@ -40,7 +40,9 @@ STAGES = {
                       ("a second pass over the self-distilled continuations (seed 1)", "drafter-dllm-sd3"),
                       ("a third pass, on all 148 shards of continuations (seed 2, peak lr 7e-4)", "drafter-dllm-sd4"),
                       ("a fourth pass: suffix masks for half the blocks, position decay gamma 4 (seed 3)",
-                       "drafter-dllm-sd5")]),
+                       "drafter-dllm-sd5"),
+                      ("a fifth pass: suffix masks for three blocks in four (seed 5, peak lr 5e-4)",
+                       "drafter-dllm-sd6")]),
     "dflash-drafter": ("DFlash-style block drafter: reads the target's layer outputs, shares its embedding and "
                        "output head (z-lab's DFlashDraftModel layout)",
                        [("DFlash training on the target's self-distilled continuations", "dflash-drafter"),
