@@ -55,7 +55,7 @@ def test_a_method_with_different_tokens_fails_the_bench(word_models):
 
 def test_a_sampled_bench_checks_every_method_against_sampled_plain_ar(word_models):
     """Seeded sampling is reproduced token for token, so the identity check holds at a
-    temperature too (and still catches a broken method); peers decode greedily only."""
+    temperature too (and still catches a broken method); peers decode greedily, without penalties."""
     paths = {"ar": word_models["random-ar"], "dllm": word_models["random-dllm"]}
     sampled = CorruptingFactory(word_models["target"], paths, sampling=SamplingParams(temperature=1.0, seed=3))
     specs = [MethodSpec("ar", "ar"), MethodSpec("dllm-fixed-3", "dllm-drafter", Fixed(3)),
@@ -66,8 +66,11 @@ def test_a_sampled_bench_checks_every_method_against_sampled_plain_ar(word_model
     assert results[0].outputs["ar"].token_ids != greedy[0].outputs["ar"].token_ids
     with pytest.raises(LosslessError, match="'broken'"):
         run_bench(sampled, specs[:1] + [MethodSpec("broken", "dllm-drafter", Fixed(3))], prompts, 16, 1)
-    with pytest.raises(GenerationInputError, match="greedily only"):
+    with pytest.raises(GenerationInputError, match="greedily without penalties only"):
         sampled.runner(MethodSpec("hf", "hf"))
+    penalized = MethodFactory(word_models["target"], paths, sampling=SamplingParams(repetition_penalty=1.2))
+    with pytest.raises(GenerationInputError, match="greedily without penalties only"):
+        penalized.runner(MethodSpec("hf", "hf"))
 
 
 def test_jsonl_dataset(tmp_path):
