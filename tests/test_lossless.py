@@ -23,10 +23,12 @@ PROMPT_LENGTHS = [1, 2, 7, 8, 9, 16, 17, 30]  # drafter block size is 8
 MAX_NEW = 40
 
 
-def hf_greedy(folder: Path, prompt: list[int], max_new: int, eos: int | None = None) -> list[int]:
+def hf_greedy(folder: Path, prompt: list[int], max_new: int, eos: int | None = None, **options) -> list[int]:
+    """`transformers`' greedy continuation (float64); `options` go to `generate` (e.g. repetition_penalty)."""
     model = Qwen2ForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
     out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
-                         eos_token_id=eos, pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+                         eos_token_id=eos, pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         **options)
     return out[0, len(prompt):].tolist()
 
 

@@ -15,16 +15,10 @@ from failfast import (FailFast, Fixed, GenerationInputError, GenerationRequest, 
 from failfast.decode.sampling import apply_penalties
 from failfast.drafters.factory import DRAFT_VOCAB_FILE
 from tests.helpers import copy_checkpoint, prompt_of, set_eos, write_word_tokenizer
+from tests.test_lossless import hf_greedy
 
 DRAFTERS = ["self", "random-ar", "random-dllm", "random-dflash", "random-eagle3"]
 POLICIES = [Fixed(4), FailFast(), FailFast(tau=0.0, chunk=3, max_draft=12)]
-
-
-def hf_generate(folder, prompt: list[int], max_new: int, **options) -> list[int]:
-    model = Qwen2ForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=None,
-                         pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long), **options)
-    return out[0, len(prompt):].tolist()
 
 
 def reference_openai_penalties(folder, prompt: list[int], max_new: int, presence: float, frequency: float) -> list[int]:
@@ -47,8 +41,8 @@ def test_repetition_penalty_is_transformers_greedy_for_every_drafter(random_mode
     drafter = load_model(random_models[drafter_name], dtype=torch.float64)
     for length, penalty in ((3, 1.5), (12, 3.0)):
         prompt = prompt_of(length)
-        expected = hf_generate(random_models["target"], prompt, 30, repetition_penalty=penalty)
-        assert expected != hf_generate(random_models["target"], prompt, 30)  # the penalty matters here
+        expected = hf_greedy(random_models["target"], prompt, 30, repetition_penalty=penalty)
+        assert expected != hf_greedy(random_models["target"], prompt, 30)  # the penalty matters here
         sampling = SamplingParams(repetition_penalty=penalty)
         assert SpeculativeEngine(target).generate(prompt, 30, sampling).token_ids == expected
         for policy in POLICIES:
@@ -68,14 +62,14 @@ def test_presence_and_frequency_penalties_follow_openai_rule(random_models, draf
         for policy in POLICIES:
             got = SpeculativeEngine(target, make_drafter(target, drafter), policy).generate(prompt, 25, sampling)
             assert got.token_ids == expected, (drafter_name, policy.name, presence, frequency)
-    assert expected != hf_generate(random_models["target"], prompt, 25)
+    assert expected != hf_greedy(random_models["target"], prompt, 25)
 
 
 def test_trained_pair_with_a_penalty_is_transformers_with_long_drafts(trained_pair):
     target_dir, drafter_dir = trained_pair
     target, drafter = load_model(target_dir, dtype=torch.float64), load_model(drafter_dir, dtype=torch.float64)
     prompt = list(range(3, 8))
-    expected = hf_generate(target_dir, prompt, 60, repetition_penalty=1.3)
+    expected = hf_greedy(target_dir, prompt, 60, repetition_penalty=1.3)
     for policy in (FailFast(tau=0.45, chunk=10, max_draft=40), Fixed(12)):
         got = SpeculativeEngine(target, make_drafter(target, drafter), policy).generate(
             prompt, 60, SamplingParams(repetition_penalty=1.3))

@@ -28,8 +28,8 @@ from torch import Tensor
 from failfast.errors import GenerationInputError
 
 _GOLDEN = 0x9E3779B97F4A7C15
-PENALTY_LIMIT = 1e4  # beyond it a penalty only overflows (inf * 0 is NaN), it cannot mean more
 _MASK63 = (1 << 63) - 1
+PENALTY_LIMIT = 1e4  # beyond it a penalty only overflows (inf * 0 is NaN), it cannot mean more
 
 
 @dataclass(frozen=True)
