@@ -1,6 +1,7 @@
-"""Median ms per forward after a context, by dtype: float32, bfloat16 with PyTorch's SDPA
-(fast, not batch-invariant) and bfloat16 with the batch-invariant attention the runtime
-uses for 16-bit inference (README, "Precision"). Interleaved, warmed up.
+"""Median ms per forward after a context, by dtype: float32 with row-major weights (unpacked)
+and column-major (packed, the runtime's), bfloat16 with PyTorch's SDPA (fast, not
+batch-invariant) and bfloat16 with the batch-invariant attention the runtime uses for 16-bit
+inference (README, "Precision"). Interleaved, warmed up.
 
     python scripts/forward_costs.py [--models target,dllm-drafter] [--tokens 1,8,16,32,64] [--context 256]
 """
@@ -42,10 +43,12 @@ def main() -> None:
     half = transformer.HALF_DTYPES
     for name in args.models.split(","):
         models = {dt: load_model(resolve_model(name), dtype=dt).model for dt in (torch.float32, torch.bfloat16)}
+        unpacked = load_model(resolve_model(name), dtype=torch.float32, pack=False).model
         with torch.inference_mode():
             for t in map(int, args.tokens.split(",")):
                 row = {}
                 for _ in range(2):  # the first sweep warms up; the second is reported
+                    row["float32 unpacked"] = forward_ms(unpacked, args.context, t, args.repeats)
                     row["float32"] = forward_ms(models[torch.float32], args.context, t, args.repeats)
                     transformer.HALF_DTYPES = ()
                     row["bf16 sdpa"] = forward_ms(models[torch.bfloat16], args.context, t, args.repeats)

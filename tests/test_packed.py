@@ -1,5 +1,6 @@
-"""Prepacked bfloat16 weights (model/packed.py): rows independent of the batch, the same
-products as `F.linear`, parameters untouched, and never used while a weight trains."""
+"""Prepacked weights (model/packed.py): bfloat16 rows independent of the batch, the same
+products as `F.linear`, float32 weights column-major, parameters untouched, and never used
+while a weight trains."""
 
 from __future__ import annotations
 
@@ -8,15 +9,20 @@ import torch
 import torch.nn.functional as F
 
 from failfast import load_model
-from failfast.model.packed import can_pack, pack_linears, pack_weight
+from failfast.model.packed import pack_linears, pack_weight, packs_for_onednn
+from failfast.model.precision import cpu_has_native_bf16
 from failfast.model.transformer import MLP, Attention, Linear, linear
 from tests.helpers import random_model, tiny_config, write_model
 
-PACKS = pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)),
-                           reason="needs a PyTorch whose oneDNN runs bfloat16 natively on this CPU")
+PACKS = pytest.mark.skipif(not packs_for_onednn(torch.zeros(1, dtype=torch.bfloat16)),
+                           reason="needs a PyTorch whose oneDNN runs bfloat16 on this CPU")
+# oneDNN emulates bfloat16 on an AVX-512 CPU without AVX512-BF16, and there no bf16 product's
+# rows are independent of the batch (packed or not); where it is native they are.
+ROW_INVARIANT = pytest.mark.skipif(not cpu_has_native_bf16(), reason="needs a CPU with native bfloat16")
 
 
 @PACKS
+@ROW_INVARIANT
 @pytest.mark.parametrize("rows", [1, 2, 9, 32, 33, 70])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_rows_do_not_depend_on_the_batch_and_match_f_linear(rows, bias):
@@ -43,12 +49,37 @@ def test_pack_linears_keeps_parameters_and_ties(tmp_path):
     assert not any(t.is_mkldnn for t in model.state_dict().values())
 
 
-def test_nothing_is_packed_in_float32_or_while_training():
+def test_nothing_is_packed_in_float64_or_while_training():
     cfg = tiny_config()
-    model = random_model(cfg, seed=0).requires_grad_(False)
-    assert pack_linears(model) == 0  # float32
-    model = model.bfloat16()
+    model = random_model(cfg, seed=0)
     assert pack_linears(model.requires_grad_(True)) == 0  # a training model
+    assert pack_linears(model.bfloat16().requires_grad_(True)) == 0
+    assert pack_linears(model.double().requires_grad_(False)) == 0
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16, 33])
+def test_float32_weights_are_packed_column_major_with_the_same_values(rows):
+    gen = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(1024, 384, generator=gen), torch.randn(1024, generator=gen)
+    packed = pack_weight(w)
+    assert packed.shape == w.shape and packed.stride() == (1, 1024) and torch.equal(packed, w)
+    x = torch.randn(rows, 384, generator=gen)
+    torch.testing.assert_close(linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_a_float32_model_is_packed_and_computes_what_the_unpacked_one_does():
+    cfg = tiny_config(vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                      num_key_value_heads=2, attention_bias=True)
+    plain = random_model(cfg, seed=5).float().requires_grad_(False)
+    packed = random_model(cfg, seed=5).float().requires_grad_(False)
+    layers = sum(isinstance(m, Linear) for m in packed.modules())
+    assert pack_linears(packed) == layers
+    assert all(m.qkv is not None for m in packed.modules() if isinstance(m, Attention))
+    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(1))
+    caches = plain.new_cache(64), packed.new_cache(64)
+    for start, end in ((0, 30), (30, 31), (31, 40)):
+        want, got = (model(ids[:, start:end], start, cache) for model, cache in zip((plain, packed), caches))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 @PACKS

@@ -104,7 +104,7 @@ def _read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", pack: bool = True) -> LoadedModel:
     """Load config.json, safetensors weights and (if present) tokenizer.json from a folder;
-    `pack`: bfloat16 weights prepacked for the CPU (`model/packed.py`), the default."""
+    `pack`: bfloat16 and float32 weights prepacked for the CPU (`model/packed.py`), the default."""
     device = check_device(device, dtype)
     folder = Path(path)
     if not folder.is_dir():
@@ -133,7 +133,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     model.rotary = Rotary(cfg.head_dim, cfg.rope_theta).to(device)
     model.eval().requires_grad_(False)
     if pack:
-        pack_linears(model)  # bfloat16 on a CPU: weights reordered once for oneDNN (model/packed.py)
+        pack_linears(model)  # on a CPU: bf16 weights reordered for oneDNN, float32 column-major (model/packed.py)
     return LoadedModel(model, cfg, _read_tokenizer(folder), folder)
 
 

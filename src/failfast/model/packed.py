@@ -1,4 +1,4 @@
-"""Prepacked bfloat16 weights for CPU inference (docs/design.md, "Prepacked weights").
+"""Prepacked weights for CPU inference (docs/design.md, "Prepacked weights").
 
 On the CPU, `F.linear` in bfloat16 hands every call to oneDNN, which first reorders the
 weight into its blocked layout. At our models' row counts (1 to 33 rows) that reorder costs
@@ -7,7 +7,11 @@ reordered once at load time (`torch.ops.mkldnn._reorder_linear_weight`, what PyT
 compiler does when it freezes weights) and multiplied by `torch.ops.mkldnn._linear_pointwise`.
 The packed product is the same oneDNN kernel: its rows do not depend on how many rows share
 a call (tests/test_packed.py), so 16-bit verification still rounds like one-token decoding.
-Float32 is left alone: its packed product is not row-invariant on this CPU.
+oneDNN's packed float32 product is not row-invariant, so float32 weights get another layout:
+column-major (the transpose, contiguous). `F.linear` of a row-major weight hands MKL a
+transposed operand, and on an AVX-512 Xeon without bf16 that product is 3-10x slower from 4
+rows on (the target's head at 8 rows: 772 us, 396 us column-major; q/k/v: 279 vs 37 us).
+Float32 rows depend on the row count either way (MKL's one-row path differs), as before.
 """
 
 from __future__ import annotations
@@ -21,20 +25,34 @@ from torch import Tensor, nn
 from failfast.model.transformer import Linear, fuse_projections, linear, side_by_side
 
 
-def can_pack(weight: Tensor) -> bool:
+def packs_for_onednn(weight: Tensor) -> bool:
     """True for a bfloat16 CPU weight on a PyTorch whose oneDNN runs bf16 natively."""
     return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and not weight.requires_grad
             and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def packs_column_major(weight: Tensor) -> bool:
+    """True for a float32 CPU weight that takes no gradients."""
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and not weight.requires_grad
+
+
+def can_pack(weight: Tensor) -> bool:
+    return packs_for_onednn(weight) or packs_column_major(weight)
+
+
 def pack_weight(weight: Tensor) -> Tensor:
-    """The weight [out, in] in oneDNN's blocked layout (an opaque `torch._mkldnn` tensor that
-    `transformer.linear` multiplies with); the weight itself if it cannot be packed."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1) if can_pack(weight) else weight
+    """The weight [out, in] in oneDNN's blocked layout (bfloat16: an opaque `torch._mkldnn`
+    tensor that `transformer.linear` multiplies with) or column-major (float32: the same
+    values and shape, transposed strides); the weight itself if it cannot be packed."""
+    if packs_for_onednn(weight):
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+    if packs_column_major(weight):
+        return weight.detach().t().contiguous().t()
+    return weight
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Give every `Linear` of an inference model (bfloat16, CPU, no gradients) a packed copy
+    """Give every `Linear` of an inference model (bfloat16 or float32, CPU, no gradients) a packed copy
     of its weight, which its forward then uses; the parameters stay as they are (state dict,
     tied embedding). Attention's q/k/v and the MLP's gate/up projections also get one packed
     weight each, so that they run as one product (the same columns, fewer calls). Pack after
