@@ -67,14 +67,34 @@ def test_float32_weights_are_packed_column_major_with_the_same_values(rows):
     torch.testing.assert_close(linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
+def test_a_float32_head_tied_to_the_embedding_gets_a_column_major_copy(tmp_path):
+    model = load_model(write_model(tmp_path / "tied", tiny_config(tie_word_embeddings=True), seed=0)).model
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.is_contiguous()
+    assert model.lm_head.packed.stride() == (1, model.config.vocab_size)
+    assert torch.equal(model.lm_head.packed, model.lm_head.weight)
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the distinct storages behind a model's parameters."""
+    return sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}.values())
+
+
 def test_a_float32_model_is_packed_and_computes_what_the_unpacked_one_does():
     cfg = tiny_config(vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4,
                       num_key_value_heads=2, attention_bias=True)
     plain = random_model(cfg, seed=5).float().requires_grad_(False)
     packed = random_model(cfg, seed=5).float().requires_grad_(False)
     layers = sum(isinstance(m, Linear) for m in packed.modules())
+    bytes_before = parameter_bytes(packed)
     assert pack_linears(packed) == layers
     assert all(m.qkv is not None for m in packed.modules() if isinstance(m, Attention))
+    # the same values and shapes, column-major, and no second copy: q/k/v share the fused weight
+    for (name, want), got in zip(plain.state_dict().items(), packed.state_dict().values()):
+        assert torch.equal(got, want), name
+    attention = next(m for m in packed.modules() if isinstance(m, Attention))
+    assert attention.k_proj.weight.untyped_storage().data_ptr() == attention.q_proj.weight.untyped_storage().data_ptr()
+    assert packed.model.layers[0].mlp.down_proj.weight.stride() == (1, cfg.hidden_size)
+    assert parameter_bytes(packed) <= bytes_before
     ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(1))
     caches = plain.new_cache(64), packed.new_cache(64)
     for start, end in ((0, 30), (30, 31), (31, 40)):

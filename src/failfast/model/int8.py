@@ -33,7 +33,8 @@ def quantize(weight: Tensor) -> tuple[Tensor, Tensor]:
     """Symmetric per-output-channel int8 weights [out, in] and their scales (in the weight's dtype)."""
     weight = weight.detach()
     scale = weight.float().abs().amax(dim=1).clamp(min=1e-12) / 127
-    return (weight.float() / scale[:, None]).round().to(torch.int8), scale.to(weight.dtype)
+    # contiguous: the int8 kernel needs it, and a packed float32 weight is column-major
+    return (weight.float() / scale[:, None]).round().to(torch.int8).contiguous(), scale.to(weight.dtype)
 
 
 def int8_linear(x: Tensor, weight_int8: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -7,8 +7,8 @@ reordered once at load time (`torch.ops.mkldnn._reorder_linear_weight`, what PyT
 compiler does when it freezes weights) and multiplied by `torch.ops.mkldnn._linear_pointwise`.
 The packed product is the same oneDNN kernel: its rows do not depend on how many rows share
 a call (tests/test_packed.py), so 16-bit verification still rounds like one-token decoding.
-oneDNN's packed float32 product is not row-invariant, so float32 weights get another layout:
-column-major (the transpose, contiguous). `F.linear` of a row-major weight hands MKL a
+oneDNN's packed float32 product is not row-invariant, so float32 weights get another layout,
+in place: column-major (the transpose, contiguous). `F.linear` of a row-major weight hands MKL a
 transposed operand, and on an AVX-512 Xeon without bf16 that product is 3-10x slower from 4
 rows on (the target's head at 8 rows: 772 us, 396 us column-major; q/k/v: 279 vs 37 us).
 Float32 rows depend on the row count either way (MKL's one-row path differs), as before.
@@ -52,24 +52,36 @@ def pack_weight(weight: Tensor) -> Tensor:
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Give every `Linear` of an inference model (bfloat16 or float32, CPU, no gradients) a packed copy
-    of its weight, which its forward then uses; the parameters stay as they are (state dict,
-    tied embedding). Attention's q/k/v and the MLP's gate/up projections also get one packed
-    weight each, so that they run as one product (the same columns, fewer calls). Pack after
-    any `.to()` and after int8 quantization (whose layers it leaves alone). Returns how many
-    layers were packed."""
+    """Pack every `Linear` of an inference model (bfloat16 or float32, CPU, no gradients);
+    returns how many layers were packed. bfloat16: a packed copy beside each weight, which
+    its forward then uses. float32: the weight itself is laid out column-major (same values
+    and shape, so state dicts are unchanged, and no second copy is held), except a head tied
+    to an embedding, which gets a column-major copy (an embedding lookup gathers rows, 7-20x
+    slower from a column-major table). Attention's q/k/v and the MLP's gate/up projections also get one packed weight each, so
+    that they run as one product (the same columns, fewer calls); in float32 the separate
+    layers' weights become views of it. Pack after any `.to()` and after int8 quantization
+    (whose layers it leaves alone)."""
     packed = 0
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for module in model.modules():
         if isinstance(module, Linear) and can_pack(module.weight):
-            module.packed = pack_weight(module.weight)
+            if packs_column_major(module.weight) and id(module.weight) not in tables:
+                module.weight.data = pack_weight(module.weight)
+            else:
+                module.packed = pack_weight(module.weight)
             packed += 1
     fuse_projections(model, _packed_product)
     return packed
 
 
 def _packed_product(layers: Sequence[nn.Module]) -> Callable[[Tensor], Tensor] | None:
-    """One packed product of float layers side by side; None unless all of them can be packed."""
+    """One packed product of float layers side by side; None unless all of them can be
+    packed. In float32 the layers' weights are re-pointed at row ranges of the fused one."""
     if not all(isinstance(layer, Linear) and can_pack(layer.weight) for layer in layers):
         return None
     weight, bias = side_by_side(layers)
-    return partial(linear, weight=pack_weight(weight), bias=bias)
+    fused = pack_weight(weight)
+    if packs_column_major(weight):
+        for layer, rows in zip(layers, fused.split([layer.weight.shape[0] for layer in layers])):
+            layer.weight.data = rows
+    return partial(linear, weight=fused, bias=bias)

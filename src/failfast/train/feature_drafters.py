@@ -57,7 +57,7 @@ def continued(init: Path, target: ModelConfig, kind: str, fits: Callable[[ModelC
               asked: dict[str, Any]) -> nn.Module:
     """A trained drafter of `kind` to continue from (float32), checked against the target and
     against what was asked for (`asked`: config field -> wanted value, or None for any)."""
-    loaded = load_model(init)
+    loaded = load_model(init, pack=False)  # its weights train: no packed layout or fused copies
     cfg = loaded.config
     if not fits(cfg):
         raise FailfastError(f"--init {init} is not a {kind} drafter")
