@@ -5,8 +5,9 @@ weight into its blocked layout. At our models' row counts (1 to 33 rows) that re
 about as much as the product: a 1 x 384 x 1024 product takes 45 us, 21 us with the weight
 reordered once at load time (`torch.ops.mkldnn._reorder_linear_weight`, what PyTorch's
 compiler does when it freezes weights) and multiplied by `torch.ops.mkldnn._linear_pointwise`.
-The packed product is the same oneDNN kernel: its rows do not depend on how many rows share
-a call (tests/test_packed.py), so 16-bit verification still rounds like one-token decoding.
+The packed product is the same oneDNN kernel: where bf16 is native its rows do not depend on
+how many rows share a call (tests/test_packed.py), so 16-bit verification still rounds like
+one-token decoding (where oneDNN emulates bf16, no bf16 product is row-invariant).
 oneDNN's packed float32 product is not row-invariant, so float32 weights get another layout,
 in place: column-major (the transpose, contiguous). `F.linear` of a row-major weight hands MKL a
 transposed operand, and on an AVX-512 Xeon without bf16 that product is 3-10x slower from 4
