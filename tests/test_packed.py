@@ -55,6 +55,20 @@ def test_nothing_is_packed_in_float64_or_while_training():
     assert pack_linears(model.requires_grad_(True)) == 0  # a training model
     assert pack_linears(model.bfloat16().requires_grad_(True)) == 0
     assert pack_linears(model.double().requires_grad_(False)) == 0
+    assert pack_linears(random_model(cfg, seed=0).float().requires_grad_(True)) == 0
+
+
+def test_converting_a_packed_model_drops_its_packed_and_fused_copies(tmp_path):
+    """`.double()` after a float32 load computes what `.double()` of an unpacked load does."""
+    folder = write_model(tmp_path / "tied", tiny_config(tie_word_embeddings=True, attention_bias=True), seed=0)
+    converted, fresh = load_model(folder).model.double(), load_model(folder, pack=False).model.double()
+    assert converted.lm_head.packed is None
+    assert all(m.qkv is None for m in converted.modules() if isinstance(m, Attention))
+    assert all(m.gate_up is None for m in converted.modules() if isinstance(m, MLP))
+    ids = torch.randint(0, converted.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    # equal up to float64 rounding (the converted weights keep their column-major layout)
+    torch.testing.assert_close(converted(ids, 0, converted.new_cache(16)), fresh(ids, 0, fresh.new_cache(16)),
+                               rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("rows", [1, 4, 16, 33])
@@ -88,11 +102,14 @@ def test_a_float32_model_is_packed_and_computes_what_the_unpacked_one_does():
     bytes_before = parameter_bytes(packed)
     assert pack_linears(packed) == layers
     assert all(m.qkv is not None for m in packed.modules() if isinstance(m, Attention))
+    assert all(m.gate_up is not None for m in packed.modules() if isinstance(m, MLP))
     # the same values and shapes, column-major, and no second copy: q/k/v share the fused weight
     for (name, want), got in zip(plain.state_dict().items(), packed.state_dict().values()):
         assert torch.equal(got, want), name
     attention = next(m for m in packed.modules() if isinstance(m, Attention))
-    assert attention.k_proj.weight.untyped_storage().data_ptr() == attention.q_proj.weight.untyped_storage().data_ptr()
+    fused = attention.qkv.keywords["weight"].untyped_storage().data_ptr()
+    assert attention.q_proj.weight.untyped_storage().data_ptr() == fused
+    assert attention.v_proj.weight.untyped_storage().data_ptr() == fused
     assert packed.model.layers[0].mlp.down_proj.weight.stride() == (1, cfg.hidden_size)
     assert parameter_bytes(packed) <= bytes_before
     ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(1))

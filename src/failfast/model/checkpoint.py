@@ -104,7 +104,8 @@ def _read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", pack: bool = True) -> LoadedModel:
     """Load config.json, safetensors weights and (if present) tokenizer.json from a folder;
-    `pack`: bfloat16 and float32 weights prepacked for the CPU (`model/packed.py`), the default."""
+    `pack`: bfloat16 and float32 weights prepacked for the CPU (`model/packed.py`), the default;
+    a model whose weights will train is loaded with `pack=False`."""
     device = check_device(device, dtype)
     folder = Path(path)
     if not folder.is_dir():
@@ -128,6 +129,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
                                   f"config.json implies {tuple(shape)}")
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
+    del state  # packing below makes new layouts: the read tensors must not outlive it
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary = Rotary(cfg.head_dim, cfg.rope_theta).to(device)

@@ -60,6 +60,37 @@ class Linear(nn.Linear):
         fresh = self.packed is not None and not trains(self)
         return linear(x, self.packed if fresh else self.weight, self.bias)
 
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's hook behind .to() and the like
+        """A packed copy left in another dtype or on another device by a conversion is dropped."""
+        super()._apply(fn, recurse)
+        if self.packed is not None and dtype_and_device(self.packed) != dtype_and_device(self.weight):
+            self.packed = None
+        return self
+
+
+def dtype_and_device(t: Tensor | None) -> tuple[torch.dtype, torch.device] | None:
+    return None if t is None else (t.dtype, t.device)
+
+
+class FusesProjections(nn.Module):
+    """A module with one fused product (`fuse_projections`) built from some of its layers'
+    weights; a conversion (`.to()`, `.double()`...) that changes those weights drops it."""
+
+    fused_attr: str  # where the product is kept
+    first_fused: str  # the first of the layers it was built from
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001
+        before = self._float_layout()
+        super()._apply(fn, recurse)
+        if self._float_layout() != before:
+            setattr(self, self.fused_attr, None)
+        return self
+
+    def _float_layout(self) -> tuple[torch.dtype, torch.device] | None:
+        """Dtype and device of the first fused layer's first float tensor (an int8 layer's scales)."""
+        layer = getattr(self, self.first_fused)
+        return dtype_and_device(next((t for t in [*layer.parameters(), *layer.buffers()] if t.is_floating_point()), None))
+
 
 def attention_mask(q_pos: Tensor, k_pos: Tensor, block_size: int | None) -> Tensor:
     """Boolean [..., Tq, Tk] mask for query positions [..., Tq]: True where a query may attend
@@ -148,13 +179,14 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + _rotate_half(x) * sin
 
 
-class Attention(nn.Module):
+class Attention(FusesProjections):
     # 16-bit attention over a cache that rounds the same for one query and for many (what
     # verification needs); a drafter's model turns it off for SDPA's faster kernels
     # (`fast_drafting_attention`): drafts only propose, so their rounding never changes the output.
     batch_invariant = True
     # q, k and v projections as one product (a packed or int8 weight: `fuse_projections`)
     qkv: Callable[[Tensor], Tensor] | None = None
+    fused_attr, first_fused = "qkv", "q_proj"
 
     def __init__(self, cfg: ModelConfig, in_features: int | None = None) -> None:
         """`in_features`: the width of what q/k/v project (the hidden size unless given: an
@@ -259,8 +291,9 @@ def fuse_projections(model: nn.Module, fuse: Callable[[Sequence[nn.Module]], Cal
             module.gate_up = product
 
 
-class MLP(nn.Module):
+class MLP(FusesProjections):
     gate_up: Callable[[Tensor], Tensor] | None = None  # gate and up projections as one product (`fuse_projections`)
+    fused_attr, first_fused = "gate_up", "gate_proj"
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
