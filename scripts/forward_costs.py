@@ -1,7 +1,8 @@
 """Median ms per forward after a context, by dtype: float32 unpacked (row-major weights,
-separate q/k/v and gate/up products) and packed (column-major and fused, the runtime's), bfloat16 with PyTorch's SDPA (fast, not
-batch-invariant) and bfloat16 with the batch-invariant attention the runtime uses for 16-bit
-inference (README, "Precision"). Interleaved, warmed up.
+separate q/k/v and gate/up products) and packed (column-major and fused, the runtime's),
+bfloat16 with PyTorch's SDPA (fast, not batch-invariant) and bfloat16 with the
+batch-invariant attention the runtime uses for 16-bit inference (README, "Precision").
+Interleaved, warmed up.
 
     python scripts/forward_costs.py [--models target,dllm-drafter] [--tokens 1,8,16,32,64] [--context 256]
 """

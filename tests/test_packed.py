@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from failfast import load_model
 from failfast.model.packed import pack_linears, pack_weight, packs_for_onednn
 from failfast.model.precision import cpu_has_native_bf16
-from failfast.model.transformer import MLP, Attention, Linear, linear
+from failfast.model.config import ModelConfig
+from failfast.model.transformer import MLP, Attention, Linear, Transformer, linear
 from tests.helpers import random_model, tiny_config, write_model
 
 PACKS = pytest.mark.skipif(not packs_for_onednn(torch.zeros(1, dtype=torch.bfloat16)),
@@ -93,11 +94,23 @@ def parameter_bytes(model: torch.nn.Module) -> int:
     return sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}.values())
 
 
-def test_a_float32_model_is_packed_and_computes_what_the_unpacked_one_does():
+def twin_models(dtype: torch.dtype, **options) -> tuple[ModelConfig, Transformer, Transformer]:
+    """A small random model's config and two identical inference copies of it in `dtype`."""
     cfg = tiny_config(vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                      num_key_value_heads=2, attention_bias=True)
-    plain = random_model(cfg, seed=5).float().requires_grad_(False)
-    packed = random_model(cfg, seed=5).float().requires_grad_(False)
+                      num_key_value_heads=2, **options)
+    return cfg, *(random_model(cfg, seed=5).to(dtype).requires_grad_(False) for _ in range(2))
+
+
+def logits_step_by_step(plain: Transformer, packed: Transformer):
+    """(start, end, plain's logits, packed's logits) for a prompt, one token, then several."""
+    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(1))
+    caches = plain.new_cache(64), packed.new_cache(64)
+    for start, end in ((0, 30), (30, 31), (31, 40)):
+        yield start, end, *(model(ids[:, start:end], start, cache) for model, cache in zip((plain, packed), caches))
+
+
+def test_a_float32_model_is_packed_and_computes_what_the_unpacked_one_does():
+    cfg, plain, packed = twin_models(torch.float32, attention_bias=True)
     layers = sum(isinstance(m, Linear) for m in packed.modules())
     bytes_before = parameter_bytes(packed)
     assert pack_linears(packed) == layers
@@ -112,10 +125,7 @@ def test_a_float32_model_is_packed_and_computes_what_the_unpacked_one_does():
     assert attention.v_proj.weight.untyped_storage().data_ptr() == fused
     assert packed.model.layers[0].mlp.down_proj.weight.stride() == (1, cfg.hidden_size)
     assert parameter_bytes(packed) <= bytes_before
-    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(1))
-    caches = plain.new_cache(64), packed.new_cache(64)
-    for start, end in ((0, 30), (30, 31), (31, 40)):
-        want, got = (model(ids[:, start:end], start, cache) for model, cache in zip((plain, packed), caches))
+    for _, _, want, got in logits_step_by_step(plain, packed):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -138,15 +148,9 @@ def test_a_packed_layer_whose_weight_trains_again_uses_the_weight():
 def test_a_packed_model_computes_what_the_unpacked_one_does(qk_norm, bias):
     """Fused q/k/v and gate/up products (Qwen2 with biases, Qwen3 with q/k norms): the same
     logits as separate unpacked layers, for one token and for several."""
-    cfg = tiny_config(vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                      num_key_value_heads=2, qk_norm=qk_norm, attention_bias=bias)
-    plain = random_model(cfg, seed=5).to(torch.bfloat16).requires_grad_(False)
-    packed = random_model(cfg, seed=5).to(torch.bfloat16).requires_grad_(False)
+    _, plain, packed = twin_models(torch.bfloat16, qk_norm=qk_norm, attention_bias=bias)
     pack_linears(packed)
     assert all(m.qkv is not None for m in packed.modules() if isinstance(m, Attention))
     assert all(m.gate_up is not None for m in packed.modules() if isinstance(m, MLP))
-    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(1))
-    caches = plain.new_cache(64), packed.new_cache(64)
-    for start, end in ((0, 30), (30, 31), (31, 40)):
-        want, got = (model(ids[:, start:end], start, cache) for model, cache in zip((plain, packed), caches))
+    for start, end, want, got in logits_step_by_step(plain, packed):
         assert torch.equal(want, got), (start, end)

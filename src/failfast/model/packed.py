@@ -9,8 +9,8 @@ The packed product is the same oneDNN kernel: where bf16 is native its rows do n
 how many rows share a call (tests/test_packed.py), so 16-bit verification still rounds like
 one-token decoding (where oneDNN emulates bf16, no bf16 product is row-invariant).
 oneDNN's packed float32 product is not row-invariant, so float32 weights get another layout,
-in place: column-major (the transpose, contiguous). `F.linear` of a row-major weight hands MKL a
-transposed operand, and on an AVX-512 Xeon without bf16 that product is 3-10x slower from 4
+in place: column-major (the transpose, contiguous). `F.linear` of a row-major weight hands
+MKL a transposed operand, and on an AVX-512 Xeon without bf16 that product is 3-10x slower from 4
 rows on (the target's head at 8 rows: 772 us, 396 us column-major; q/k/v: 279 vs 37 us).
 Float32 rows depend on the row count either way (MKL's one-row path differs), as before.
 """
@@ -58,10 +58,10 @@ def pack_linears(model: nn.Module) -> int:
     its forward then uses. float32: the weight itself is laid out column-major (same values
     and shape, so state dicts are unchanged, and no second copy is held), except a head tied
     to an embedding, which gets a column-major copy (an embedding lookup gathers rows, 7-20x
-    slower from a column-major table). Attention's q/k/v and the MLP's gate/up projections also get one packed weight each, so
-    that they run as one product (the same columns, fewer calls); in float32 the separate
-    layers' weights become views of it. Pack after any `.to()` and after int8 quantization
-    (whose layers it leaves alone)."""
+    slower from a column-major table). Attention's q/k/v and the MLP's gate/up projections
+    also get one packed weight each, so that they run as one product (the same columns, fewer
+    calls); in float32 the separate layers' weights become views of it. Pack after any `.to()`
+    and after int8 quantization (whose layers it leaves alone)."""
     packed = 0
     tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for module in model.modules():

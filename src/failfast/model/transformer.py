@@ -89,7 +89,8 @@ class FusesProjections(nn.Module):
     def _float_layout(self) -> tuple[torch.dtype, torch.device] | None:
         """Dtype and device of the first fused layer's first float tensor (an int8 layer's scales)."""
         layer = getattr(self, self.first_fused)
-        return dtype_and_device(next((t for t in [*layer.parameters(), *layer.buffers()] if t.is_floating_point()), None))
+        floats = (t for t in [*layer.parameters(), *layer.buffers()] if t.is_floating_point())
+        return dtype_and_device(next(floats, None))
 
 
 def attention_mask(q_pos: Tensor, k_pos: Tensor, block_size: int | None) -> Tensor:

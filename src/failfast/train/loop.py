@@ -101,7 +101,7 @@ def _save_checkpoint(folder: Path, model: Transformer, opt: torch.optim.AdamW, r
     for group in opt.param_groups:
         for p in group["params"]:
             for key, value in opt.state.get(p, {}).items():
-                tensors[f"{key}/{names[id(p)]}"] = value.detach().reshape(-1).clone() if value.dim() == 0 else value.detach().contiguous().clone()
+                tensors[f"{key}/{names[id(p)]}"] = value.detach().reshape(-1).clone() if value.dim() == 0 else value.detach().clone(memory_format=torch.contiguous_format)
     save_file(tensors, str(folder / "optimizer.safetensors"))
     (folder / STATE_FILE).write_text(json.dumps(asdict(run)))
 
