@@ -40,8 +40,7 @@ class DFlashLayer(nn.Module):
         (True: may attend) or None (every query sees every key)."""
         attn = self.self_attn
         h = self.input_layernorm(x)
-        q = attn.queries(h, rope)
-        k, v = attn.keys_values(h, rope)
+        q, k, v = attn.queries_keys_values(h, rope)
         k, v = torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=attn.n_kv != attn.n_heads)
         b, w, _ = x.shape

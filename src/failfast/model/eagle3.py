@@ -102,17 +102,24 @@ class Eagle3Model(BorrowsTargetParts):
         attends to that row's slots [0, starts[i]]. Returns the outputs [B, 1, hidden] (each
         the next step's hidden; `logits_input` for its prediction); lengths are the caller's."""
         device = tokens.device
-        position = torch.tensor(starts, device=device)[:, None]
-        x, k, v = self.slot_kv(tokens, hidden, position)
-        index = torch.tensor(rows, device=device)
-        cache.keys[0][index, :, position[:, 0]] = k[:, :, 0]
-        cache.values[0][index, :, position[:, 0]] = v[:, :, 0]
-        width = max(starts) + 1
         attn = self.midlayer.self_attn
-        q = attn.queries(x, self._rope(position, x.dtype))
-        sees = (torch.arange(width, device=device)[None, :] <= position)[:, None, None, :]
-        out = F.scaled_dot_product_attention(q, cache.keys[0][index, :, :width], cache.values[0][index, :, :width],
-                                             attn_mask=sees, enable_gqa=attn.n_kv != attn.n_heads)
+        x = self.midlayer.attention_input(self.embed_tokens(tokens).to(self.dtype), hidden)
+        if len(rows) == 1:  # one row: write and read its cache row in place, no gathered copy
+            row = cache if cache.keys[0].shape[0] == 1 else cache.row(rows[0])
+            q, k, v = attn.queries_keys_values(x, self._rope(torch.arange(starts[0], starts[0] + 1, device=device),
+                                                             x.dtype))
+            keys, values = row.write(0, starts[0], k, v)
+            out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=attn.n_kv != attn.n_heads)
+        else:
+            position = torch.tensor(starts, device=device)[:, None]
+            q, k, v = attn.queries_keys_values(x, self._rope(position, x.dtype))
+            index = torch.tensor(rows, device=device)
+            cache.keys[0][index, :, position[:, 0]] = k[:, :, 0]
+            cache.values[0][index, :, position[:, 0]] = v[:, :, 0]
+            width = max(starts) + 1
+            sees = (torch.arange(width, device=device)[None, :] <= position)[:, None, None, :]
+            out = F.scaled_dot_product_attention(q, cache.keys[0][index, :, :width], cache.values[0][index, :, :width],
+                                                 attn_mask=sees, enable_gqa=attn.n_kv != attn.n_heads)
         return self.midlayer.finish(hidden, out.transpose(1, 2).reshape(len(rows), 1, -1))
 
     def logits_input(self, output: Tensor) -> Tensor:

@@ -21,6 +21,7 @@ from failfast.model.ragged import Ragged
 from failfast.model.shapes import key_bucket
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+WIDE_DTYPES = (torch.float32, torch.float64)
 # Rows per 16-bit matmul call. CPU kernels pick their blocking by row count, and past ~32 rows
 # (34 for the MLP's down projection on an AMX CPU, 48 for long-context attention on an
 # AVX512-BF16 one) a row's rounding changes; at most this many rows per call, a k-token
@@ -42,6 +43,8 @@ def row_blocked(op, x: Tensor) -> Tensor:
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """`F.linear` over the flattened rows of x, row-blocked in 16 bits; a weight packed by
     `model/packed.py` (a `torch._mkldnn` tensor) goes to oneDNN's packed product."""
+    if x.dtype not in HALF_DTYPES and not weight.is_mkldnn:
+        return F.linear(x, weight, bias)  # nothing to block: skip the reshapes (two ops less)
     rows = x.reshape(-1, x.shape[-1])
     if weight.is_mkldnn:
         op = lambda part: torch.ops.mkldnn._linear_pointwise(part, weight, bias, "none", [], "")  # noqa: E731
@@ -108,6 +111,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype in WIDE_DTYPES and self.weight.dtype == x.dtype:
+            # one call instead of nine, with the same bits in these dtypes (docs/design.md,
+            # "Fewer ops per forward")
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32 at least (as Qwen2 does), then return in the input dtype.
         compute = torch.promote_types(x.dtype, torch.float32)
         h = x.to(compute)
@@ -124,11 +131,14 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", 1.0 / (theta ** exponent), persistent=False)
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos, sin [T, D] for positions [T] (shared by the rows of a batch; a packed forward's
-        rows are one sequence)."""
+        """cos and signed sin [T, D] for positions [T] (shared by the rows of a batch; a packed
+        forward's rows are one sequence): what `apply_rotary` takes. The sine's first half is
+        negated here once per forward, so that rotating is four ops, not seven."""
         freqs = positions.float()[..., None] * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        sin = emb.sin()
+        half = sin.shape[-1] // 2
+        return emb.cos().to(dtype), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).to(dtype)
 
 
 def batch_invariant_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
@@ -171,13 +181,12 @@ def key_blocked_product(weights: Tensor, v: Tensor) -> Tensor:
     return total.to(v.dtype)
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    return x * cos + _rotate_half(x) * sin
+def apply_rotary(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """RoPE in the rotate-half layout: x * cos + [-x2, x1] * sin, written as x * cos + [x2, x1]
+    * [-sin1, sin2] (`Rotary`'s tables). Negating a factor is exact, so the bits are the
+    reference formula's; `roll` swaps the halves in one op (docs/design.md, "Fewer ops per
+    forward")."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class Attention(FusesProjections):
@@ -213,6 +222,11 @@ class Attention(FusesProjections):
         (a target-conditioned drafter also projects target features with them)."""
         return self._rotated_keys_values(self.k_proj(x), self.v_proj(x), rope)
 
+    def queries_keys_values(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """`queries` and `keys_values` of the same hidden states, from one fused product at inference."""
+        q, k, v = self._projections(x)
+        return (self._rotated_queries(q, rope), *self._rotated_keys_values(k, v, rope))
+
     def _rotated_queries(self, q: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
         b, t, _ = q.shape
         q = q.view(b, t, self.n_heads, self.head_dim)
@@ -240,9 +254,7 @@ class Attention(FusesProjections):
         """`start`: the first position of every row, or a packed forward of several cache rows
         (`Ragged`; x is [1, N, hidden], attention runs on its padded layout)."""
         b, t, _ = x.shape
-        q, k, v = self._projections(x)
-        q = self._rotated_queries(q, rope)
-        k, v = self._rotated_keys_values(k, v, rope)
+        q, k, v = self.queries_keys_values(x, rope)
         if isinstance(start, Ragged):
             k, v = cache.write_ragged(layer, start, k[0].transpose(0, 1), v[0].transpose(0, 1), context_end)
             q = start.to_padded(q[0].transpose(0, 1)).transpose(1, 2)  # [rows, heads, width, head_dim]

@@ -1,0 +1,50 @@
+"""The runtime's shortened norm and RoPE give the bits of the reference formulas (Qwen2's
+RMSNorm and rotate-half RoPE as written in `transformers`), so switching to them changed no
+model's output."""
+
+import pytest
+import torch
+
+from failfast.model.transformer import RMSNorm, Rotary, apply_rotary
+
+
+def reference_rms_norm(weight: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.to(torch.promote_types(x.dtype, torch.float32))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def reference_rotary(x: torch.Tensor, positions: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = positions.float()[:, None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    half = head_dim // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1, 384), (2, 7, 256), (1, 33, 6, 64)])
+def test_rms_norm_matches_reference_bits(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(shape[-1], 1e-6).to(dtype)
+    norm.weight.data = torch.randn(shape[-1], generator=g).to(dtype)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(norm(x), reference_rms_norm(norm.weight, x, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_rotary_matches_reference_bits(dtype: torch.dtype) -> None:
+    head_dim, theta = 64, 10000.0
+    positions = torch.tensor([0, 1, 5, 300, 2047])
+    x = torch.randn(2, 4, len(positions), head_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
+    rope = Rotary(head_dim, theta)(positions, dtype)
+    assert torch.equal(apply_rotary(x, *rope), reference_rotary(x, positions, head_dim, theta))
+
+
+def test_rms_norm_still_trains() -> None:
+    norm = RMSNorm(16, 1e-6)
+    x = torch.randn(3, 16, requires_grad=True)
+    norm(x).square().sum().backward()
+    assert x.grad is not None and norm.weight.grad is not None and norm.weight.grad.abs().sum() > 0
