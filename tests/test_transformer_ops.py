@@ -1,11 +1,13 @@
-"""The runtime's shortened norm and RoPE give the bits of the reference formulas (Qwen2's
-RMSNorm and rotate-half RoPE as written in `transformers`), so switching to them changed no
-model's output."""
+"""The runtime's shortened norm, RoPE and linear give the bits of the reference formulas
+(Qwen2's RMSNorm and rotate-half RoPE as written in `transformers`, a linear over flattened
+rows), so switching to them changed no model's output."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from failfast.model.transformer import RMSNorm, Rotary, apply_rotary
+from failfast.model.packed import pack_weight
+from failfast.model.transformer import RMSNorm, Rotary, apply_rotary, linear
 
 
 def reference_rms_norm(weight: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -48,3 +50,19 @@ def test_rms_norm_still_trains() -> None:
     x = torch.randn(3, 16, requires_grad=True)
     norm(x).square().sum().backward()
     assert x.grad is not None and norm.weight.grad is not None and norm.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("column_major", [False, True])
+def test_linear_matches_flattened_rows_bits(dtype: torch.dtype, column_major: bool) -> None:
+    """Batched, sliced (strided) and single-row inputs give the bits of one product over the
+    flattened rows, with the weight as loaded or laid out column-major (`pack_weight`)."""
+    g = torch.Generator().manual_seed(2)
+    weight = torch.randn(96, 64, generator=g).to(dtype)
+    bias = torch.randn(96, generator=g).to(dtype)
+    if column_major:
+        weight = pack_weight(weight)
+    hidden = torch.randn(3, 9, 64, generator=g).to(dtype)
+    for x in (hidden, hidden[:, -3:], hidden[:1, -1:], hidden.transpose(0, 1)):
+        flat = F.linear(x.reshape(-1, 64), weight, bias).view(*x.shape[:-1], 96)
+        assert torch.equal(linear(x, weight, bias), flat)

@@ -69,23 +69,22 @@ class Eagle3Model(BorrowsTargetParts):
         return self.fc(features.to(self.dtype))
 
     def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        cos, sin = self.rotary(positions, dtype)
+        cos, signed_sin = self.rotary(positions, dtype)
         if positions.dim() == 2:  # per-row tables broadcast over the heads
-            return cos[:, None], sin[:, None]
-        return cos, sin
+            return cos[:, None], signed_sin[:, None]
+        return cos, signed_sin
 
-    def slot_kv(self, tokens: Tensor, hidden: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Attention input, keys and values of slots (hidden [B, T, hidden], next tokens [B, T])."""
+    def slot_kv(self, tokens: Tensor, hidden: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values of slots (hidden [B, T, hidden], next tokens [B, T])."""
         x = self.midlayer.attention_input(self.embed_tokens(tokens).to(self.dtype), hidden)
-        k, v = self.midlayer.self_attn.keys_values(x, self._rope(positions, x.dtype))
-        return x, k, v
+        return self.midlayer.self_attn.keys_values(x, self._rope(positions, x.dtype))
 
     def write_context(self, tokens: Tensor, fused: Tensor, start: int, cache: KVCache) -> None:
         """Cache the K/V of committed slots start.. (fused features [1, T, hidden], their next
         tokens [1, T]); the cache must hold exactly [0, start)."""
         if start != cache.length:
             raise ValueError(f"slots from {start} but the drafter cache holds {cache.length}")
-        _, k, v = self.slot_kv(tokens, fused, torch.arange(start, start + tokens.shape[1], device=tokens.device))
+        k, v = self.slot_kv(tokens, fused, torch.arange(start, start + tokens.shape[1], device=tokens.device))
         cache.write(0, start, k, v)
         cache.length = start + tokens.shape[1]
 
@@ -105,7 +104,7 @@ class Eagle3Model(BorrowsTargetParts):
         attn = self.midlayer.self_attn
         x = self.midlayer.attention_input(self.embed_tokens(tokens).to(self.dtype), hidden)
         if len(rows) == 1:  # one row: write and read its cache row in place, no gathered copy
-            row = cache if cache.keys[0].shape[0] == 1 else cache.row(rows[0])
+            row = cache if rows[0] == 0 and cache.keys[0].shape[0] == 1 else cache.row(rows[0])
             q, k, v = attn.queries_keys_values(x, self._rope(torch.arange(starts[0], starts[0] + 1, device=device),
                                                              x.dtype))
             keys, values = row.write(0, starts[0], k, v)

@@ -42,9 +42,11 @@ def row_blocked(op, x: Tensor) -> Tensor:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """`F.linear` over the flattened rows of x, row-blocked in 16 bits; a weight packed by
-    `model/packed.py` (a `torch._mkldnn` tensor) goes to oneDNN's packed product."""
-    if x.dtype not in HALF_DTYPES and not weight.is_mkldnn:
-        return F.linear(x, weight, bias)  # nothing to block: skip the reshapes (two ops less)
+    `model/packed.py` (a `torch._mkldnn` tensor) goes to oneDNN's packed product. A contiguous
+    float32/float64 x goes to `F.linear` as it is (the same one product, two ops less; a
+    strided one would take a batched product that rounds differently)."""
+    if x.dtype not in HALF_DTYPES and not weight.is_mkldnn and x.is_contiguous():
+        return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     if weight.is_mkldnn:
         op = lambda part: torch.ops.mkldnn._linear_pointwise(part, weight, bias, "none", [], "")  # noqa: E731
@@ -111,9 +113,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype in WIDE_DTYPES and self.weight.dtype == x.dtype:
-            # one call instead of nine, with the same bits in these dtypes (docs/design.md,
-            # "Fewer ops per forward")
+        if x.dtype in WIDE_DTYPES and self.weight.dtype == x.dtype and x.device.type == "cpu":
+            # one call instead of nine, with the same bits in these dtypes on a CPU (docs/design.md,
+            # "Fewer ops per forward"; a GPU's fused kernel may round otherwise)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32 at least (as Qwen2 does), then return in the input dtype.
         compute = torch.promote_types(x.dtype, torch.float32)
