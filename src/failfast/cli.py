@@ -322,7 +322,7 @@ def _add_model_flags(g: argparse.ArgumentParser) -> None:
                         "cost-aware: FailFast's chunks, stopping by costs measured on this machine")
     g.add_argument("--k", type=int, default=5, help="draft length for --policy fixed")
     g.add_argument("--tau", type=float, help="FailFast confidence threshold (default: the drafter kind's: 0.6 "
-                                             "block diffusion, 0.8 DFlash, 0.7 EAGLE-3, 0.45 AR; README, "
+                                             "block diffusion, 0.8 DFlash, 0.8 EAGLE-3, 0.45 AR; README, "
                                              "\"Choosing the drafting defaults\")")
     g.add_argument("--chunk", type=int, help="FailFast / cost-aware chunk N (default: the drafter kind's: 4 block "
                                              "diffusion, 6 DFlash, 2 EAGLE-3, 8 AR)")

@@ -61,7 +61,7 @@ class MethodSpec:
 
 DFLASH_BLOCK = 16  # the shipped DFlash drafter's block
 EAGLE3_SWEEP = (3, 5, 8, 12)  # fixed chain lengths swept for the `eagle3` baseline
-EAGLE3_BEST_K = 8         # the sweep's fastest on the embedded models (README, "Results")
+EAGLE3_BEST_K = 5         # the sweep's fastest on the embedded models (README, "Choosing the drafting defaults")
 LOOKUP_KINDS = (("", "dllm"), ("-dflash", "dflash"), ("-eagle3", "eagle3"))  # method infix, drafter kind
 
 
