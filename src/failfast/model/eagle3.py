@@ -103,15 +103,12 @@ class Eagle3Model(BorrowsTargetParts):
         device = tokens.device
         attn = self.midlayer.self_attn
         x = self.midlayer.attention_input(self.embed_tokens(tokens).to(self.dtype), hidden)
+        position = torch.tensor(starts, device=device)[:, None]
+        q, k, v = attn.queries_keys_values(x, self._rope(position, x.dtype))
         if len(rows) == 1:  # one row: write and read its cache row in place, no gathered copy
-            row = cache if rows[0] == 0 and cache.keys[0].shape[0] == 1 else cache.row(rows[0])
-            q, k, v = attn.queries_keys_values(x, self._rope(torch.arange(starts[0], starts[0] + 1, device=device),
-                                                             x.dtype))
-            keys, values = row.write(0, starts[0], k, v)
+            keys, values = cache.row(rows[0]).write(0, starts[0], k, v)
             out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=attn.n_kv != attn.n_heads)
         else:
-            position = torch.tensor(starts, device=device)[:, None]
-            q, k, v = attn.queries_keys_values(x, self._rope(position, x.dtype))
             index = torch.tensor(rows, device=device)
             cache.keys[0][index, :, position[:, 0]] = k[:, :, 0]
             cache.values[0][index, :, position[:, 0]] = v[:, :, 0]
