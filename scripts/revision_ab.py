@@ -58,7 +58,7 @@ def main() -> None:
     flags = args.bench_flags or "--dataset heldout --prompts 8 --max-new-tokens 128 --repeats 1 --threads 2".split()
     flags = [*flags, "--methods", args.methods]
     with tempfile.TemporaryDirectory() as tmp:
-        outputs = args.keep or Path(tmp)
+        outputs = args.keep.resolve() if args.keep else Path(tmp)  # each bench runs in its own tree
         trees = {args.base: unpack(args.base, Path(tmp)), "working tree": ROOT}
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
         for r in range(args.rounds):

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from failfast import load_model
 from failfast.model.packed import pack_linears, pack_weight, packs_for_onednn
 from failfast.model.precision import cpu_has_native_bf16
+from failfast.model.tiled import TiledWeight
 from failfast.model.config import ModelConfig
 from failfast.model.transformer import MLP, Attention, Linear, Transformer, linear
 from tests.helpers import random_model, tiny_config, write_model
@@ -72,11 +73,16 @@ def test_converting_a_packed_model_drops_its_packed_and_fused_copies(tmp_path):
                                rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 16, 33])
+def laid_out(packed: torch.Tensor | TiledWeight) -> torch.Tensor:
+    """A packed float32 weight's column-major tensor (beside its tiles where the tiled kernel runs)."""
+    return packed.weight if isinstance(packed, TiledWeight) else packed
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16, 33, 70])
 def test_float32_weights_are_packed_column_major_with_the_same_values(rows):
     gen = torch.Generator().manual_seed(rows)
     w, b = torch.randn(1024, 384, generator=gen), torch.randn(1024, generator=gen)
-    packed = pack_weight(w)
+    packed = laid_out(pack_weight(w))
     assert packed.shape == w.shape and packed.stride() == (1, 1024) and torch.equal(packed, w)
     x = torch.randn(rows, 384, generator=gen)
     torch.testing.assert_close(linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
@@ -85,8 +91,8 @@ def test_float32_weights_are_packed_column_major_with_the_same_values(rows):
 def test_a_float32_head_tied_to_the_embedding_gets_a_column_major_copy(tmp_path):
     model = load_model(write_model(tmp_path / "tied", tiny_config(tie_word_embeddings=True), seed=0)).model
     assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.is_contiguous()
-    assert model.lm_head.packed.stride() == (1, model.config.vocab_size)
-    assert torch.equal(model.lm_head.packed, model.lm_head.weight)
+    assert laid_out(model.lm_head.packed).stride() == (1, model.config.vocab_size)
+    assert torch.equal(laid_out(model.lm_head.packed), model.lm_head.weight)
 
 
 def parameter_bytes(model: torch.nn.Module) -> int:
@@ -120,7 +126,7 @@ def test_a_float32_model_is_packed_and_computes_what_the_unpacked_one_does():
     for (name, want), got in zip(plain.state_dict().items(), packed.state_dict().values()):
         assert torch.equal(got, want), name
     attention = next(m for m in packed.modules() if isinstance(m, Attention))
-    fused = attention.qkv.keywords["weight"].untyped_storage().data_ptr()
+    fused = laid_out(attention.qkv.keywords["weight"]).untyped_storage().data_ptr()
     assert attention.q_proj.weight.untyped_storage().data_ptr() == fused
     assert attention.v_proj.weight.untyped_storage().data_ptr() == fused
     assert packed.model.layers[0].mlp.down_proj.weight.stride() == (1, cfg.hidden_size)

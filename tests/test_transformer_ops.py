@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from failfast.model.packed import pack_weight
+from failfast.model.packed import column_major
 from failfast.model.transformer import RMSNorm, Rotary, apply_rotary, linear
 
 
@@ -53,15 +53,15 @@ def test_rms_norm_still_trains() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("column_major", [False, True])
-def test_linear_matches_flattened_rows_bits(dtype: torch.dtype, column_major: bool) -> None:
+@pytest.mark.parametrize("laid_out", [False, True])
+def test_linear_matches_flattened_rows_bits(dtype: torch.dtype, laid_out: bool) -> None:
     """Batched, sliced (strided) and single-row inputs give the bits of one product over the
-    flattened rows, with the weight as loaded or laid out column-major (`pack_weight`)."""
+    flattened rows, with the weight as loaded or laid out column-major (`packed.column_major`)."""
     g = torch.Generator().manual_seed(2)
     weight = torch.randn(96, 64, generator=g).to(dtype)
     bias = torch.randn(96, generator=g).to(dtype)
-    if column_major:
-        weight = pack_weight(weight)
+    if laid_out:
+        weight = column_major(weight)
     hidden = torch.randn(3, 9, 64, generator=g).to(dtype)
     for x in (hidden, hidden[:, -3:], hidden[:1, -1:], hidden.transpose(0, 1)):
         flat = F.linear(x.reshape(-1, 64), weight, bias).view(*x.shape[:-1], 96)

@@ -12,7 +12,10 @@ oneDNN's packed float32 product is not row-invariant, so float32 weights get ano
 in place: column-major (the transpose, contiguous). `F.linear` of a row-major weight hands
 MKL a transposed operand, and on an AVX-512 Xeon without bf16 that product is 3-10x slower from 4
 rows on (the target's head at 8 rows: 772 us, 396 us column-major; q/k/v: 279 vs 37 us).
-Float32 rows depend on the row count either way (MKL's one-row path differs), as before.
+With MKL a float32 row depends on the row count either way (its one-row path differs). Where
+the tiled float32 kernel runs (AVX-512; model/tiled.py), float32 layers also get tiles for it:
+faster at decoding's row counts, and a row rounds the same whatever the row count; the
+column-major weight serves products over more rows (prefill).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from failfast.model.tiled import TiledWeight, tile
 from failfast.model.transformer import Linear, fuse_projections, linear, side_by_side
 
 
@@ -41,24 +45,32 @@ def can_pack(weight: Tensor) -> bool:
     return packs_for_onednn(weight) or packs_column_major(weight)
 
 
-def pack_weight(weight: Tensor) -> Tensor:
+def pack_weight(weight: Tensor) -> Tensor | TiledWeight:
     """The weight [out, in] in oneDNN's blocked layout (bfloat16: an opaque `torch._mkldnn`
-    tensor that `transformer.linear` multiplies with) or column-major (float32: the same
-    values and shape, transposed strides); the weight itself if it cannot be packed."""
+    tensor that `transformer.linear` multiplies with), or for float32 column-major (the same
+    values and shape, transposed strides) and tiled for the float32 kernel where it runs
+    (model/tiled.py); the weight itself if it cannot be packed."""
     if packs_for_onednn(weight):
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
     if packs_column_major(weight):
-        return weight.detach().t().contiguous().t()
+        laid_out = column_major(weight)
+        return tile(laid_out) or laid_out
     return weight
+
+
+def column_major(weight: Tensor) -> Tensor:
+    """The same values and shape with transposed strides (the transpose, contiguous)."""
+    return weight.detach().t().contiguous().t()
 
 
 def pack_linears(model: nn.Module) -> int:
     """Pack every `Linear` of an inference model (bfloat16 or float32, CPU, no gradients);
     returns how many layers were packed. bfloat16: a packed copy beside each weight, which
     its forward then uses. float32: the weight itself is laid out column-major (same values
-    and shape, so state dicts are unchanged, and no second copy is held), except a head tied
-    to an embedding, which gets a column-major copy (an embedding lookup gathers rows, 7-20x
-    slower from a column-major table). Attention's q/k/v and the MLP's gate/up projections
+    and shape, so state dicts are unchanged), except a head tied to an embedding, which gets
+    a column-major copy (an embedding lookup gathers rows, 7-20x slower from a column-major
+    table); where the tiled kernel runs, each also gets its tiles (float16 values: half the
+    weight's bytes). Attention's q/k/v and the MLP's gate/up projections
     also get one packed weight each, so that they run as one product (the same columns, fewer
     calls); in float32 the separate layers' weights become views of it. Pack after any `.to()`
     and after int8 quantization (whose layers it leaves alone)."""
@@ -67,7 +79,8 @@ def pack_linears(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, Linear) and can_pack(module.weight):
             if packs_column_major(module.weight) and id(module.weight) not in tables:
-                module.weight.data = pack_weight(module.weight)
+                module.weight.data = column_major(module.weight)
+                module.packed = tile(module.weight)
             else:
                 module.packed = pack_weight(module.weight)
             packed += 1
@@ -83,6 +96,8 @@ def _packed_product(layers: Sequence[nn.Module]) -> Callable[[Tensor], Tensor] |
     weight, bias = side_by_side(layers)
     fused = pack_weight(weight)
     if packs_column_major(weight):
-        for layer, rows in zip(layers, fused.split([layer.weight.shape[0] for layer in layers])):
+        column_major = fused.weight if isinstance(fused, TiledWeight) else fused
+        for layer, rows in zip(layers, column_major.split([layer.weight.shape[0] for layer in layers])):
             layer.weight.data = rows
+            layer.packed = None  # the fused product serves the layer (its own tiles would be a second copy)
     return partial(linear, weight=fused, bias=bias)

@@ -19,6 +19,7 @@ from failfast.model.config import ModelConfig
 from failfast.model.kv_cache import KVCache
 from failfast.model.ragged import Ragged
 from failfast.model.shapes import key_bucket
+from failfast.model.tiled import TiledWeight
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 WIDE_DTYPES = (torch.float32, torch.float64)
@@ -40,11 +41,16 @@ def row_blocked(op, x: Tensor) -> Tensor:
     return torch.cat([op(part) for part in x.split(ROW_BLOCK, dim=-2)], dim=-2)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, weight: Tensor | TiledWeight, bias: Tensor | None = None) -> Tensor:
     """`F.linear` over the flattened rows of x, row-blocked in 16 bits; a weight packed by
-    `model/packed.py` (a `torch._mkldnn` tensor) goes to oneDNN's packed product. A contiguous
+    `model/packed.py` goes to oneDNN's packed product (a `torch._mkldnn` tensor) or, for up
+    to `tiled.MAX_ROWS` rows, to the tiled float32 kernel (a `TiledWeight`). A contiguous
     float32/float64 x goes to `F.linear` as it is (the same one product, two ops less; a
     strided one would take a batched product that rounds differently)."""
+    if isinstance(weight, TiledWeight):
+        if weight.takes(x):
+            return weight.product(x, bias)
+        weight = weight.weight
     if x.dtype not in HALF_DTYPES and not weight.is_mkldnn and x.is_contiguous():
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
