@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from failfast.model import cpu_kernels
 from failfast.model.config import ModelConfig
 from failfast.model.kv_cache import KVCache
 from failfast.model.ragged import Ragged
@@ -120,6 +121,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype in WIDE_DTYPES and self.weight.dtype == x.dtype and x.device.type == "cpu":
+            if (kernels := cpu_kernels.runs_on(x, self.weight)) is not None:  # float32 inference
+                return kernels.rms_norm(x.contiguous(), self.weight, self.eps)
             # one call instead of nine, with the same bits in these dtypes on a CPU (docs/design.md,
             # "Fewer ops per forward"; a GPU's fused kernel may round otherwise)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -170,6 +173,14 @@ def batch_invariant_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | No
         scores = scores.masked_fill(~(mask[:, :, None] if mask.dim() == 4 else mask), float("-inf"))
     weights = scores.softmax(-1).to(v.dtype).view(b, groups, per_group * t, -1)
     return row_blocked(lambda rows: key_blocked_product(rows, v), weights).view(b, heads, t, d)
+
+
+def per_row_mask(mask: Tensor | None, rows: int) -> Tensor | None:
+    """A boolean attention mask ([T, S], or [rows, 1, T, S] for a packed forward) as a
+    [rows, T, S] view: what the float32 attention kernel takes."""
+    if mask is None:
+        return None
+    return (mask[:, 0] if mask.dim() == 4 else mask).expand(rows, *mask.shape[-2:])
 
 
 def key_blocked_product(weights: Tensor, v: Tensor) -> Tensor:
@@ -268,11 +279,15 @@ class Attention(FusesProjections):
             q = start.to_padded(q[0].transpose(0, 1)).transpose(1, 2)  # [rows, heads, width, head_dim]
         elif cache is not None:
             k, v = cache.write(layer, start, k, v, context_end)
-        if cache is not None and q.dtype in HALF_DTYPES and self.batch_invariant:
-            out = batch_invariant_attention(q, k, v, mask)  # inference in 16 bits: lossless verification
+        if cache is not None and (kernels := cpu_kernels.runs_on(q, k, v)) is not None:
+            # float32 inference: each query in one fixed order, [B, T, heads, head_dim] (docs/design.md,
+            # "Float32 CPU kernels")
+            out = kernels.attend(q, k, v, per_row_mask(mask, q.shape[0]), self.head_dim ** -0.5)
+        elif cache is not None and q.dtype in HALF_DTYPES and self.batch_invariant:
+            out = batch_invariant_attention(q, k, v, mask).transpose(1, 2)  # inference in 16 bits: lossless verification
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
-        out = out.transpose(1, 2)
+            out = out.transpose(1, 2)
         if isinstance(start, Ragged):
             out = start.to_packed(out)[None]
         return self.o_proj(out.reshape(b, t, self.n_heads * self.head_dim))

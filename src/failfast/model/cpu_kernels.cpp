@@ -1,0 +1,288 @@
+// Float32 CPU kernels for inference on AVX-512 CPUs (docs/design.md, "Float32 CPU kernels";
+// built and loaded by model/cpu_kernels.py). Each computes a row's result in one fixed order,
+// whatever else shares the call, so a k-token verification rounds like k one-token forwards.
+//
+// tiled_linear: y = x W^T + b for a few rows of x (model/tiled.py). The weight comes in tiles
+// of 64 output columns, each stored k-major ([tile][k][64]) so a tile streams from memory in
+// order, as float16 when every weight is a float16 value (exact: half the bytes, widened in
+// registers) or float32. Each output is one accumulator summed over k = 0..K-1 in order, then
+// the bias is added, whatever the row count or thread count.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kTile = 64;  // output columns per tile: four vectors of 16 floats
+constexpr int64_t kRows = 6;   // rows per register block: 24 accumulators, 4 weight vectors
+
+inline __mmask16 first_lanes(int64_t count) {
+  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+}
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// R rows of x (row stride K) times one tile, into `cols` (<= 64) columns of y (row stride N).
+template <int R, typename W>
+void rows_by_tile(const float* x, int64_t K, const W* tile, float* y, int64_t N, int64_t cols, const float* bias) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const W* w = tile + k * kTile;
+    const __m512 w0 = load16(w), w1 = load16(w + 16), w2 = load16(w + 32), w3 = load16(w + 48);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xr = _mm512_set1_ps(x[r * K + k]);
+      acc[r][0] = _mm512_fmadd_ps(xr, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xr, w1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(xr, w2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(xr, w3, acc[r][3]);
+    }
+  }
+  for (int64_t j = 0; j < 4 && j * 16 < cols; ++j) {
+    const __mmask16 mask = first_lanes(cols - j * 16);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + j * 16) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * N + j * 16, mask, _mm512_add_ps(acc[r][j], b));
+  }
+}
+
+template <typename W>
+using RowsByTile = void (*)(const float*, int64_t, const W*, float*, int64_t, int64_t, const float*);
+template <typename W>
+constexpr RowsByTile<W> kRowsByTile[kRows] = {rows_by_tile<1, W>, rows_by_tile<2, W>, rows_by_tile<3, W>,
+                                               rows_by_tile<4, W>, rows_by_tile<5, W>, rows_by_tile<6, W>};
+
+template <typename W>
+void product(const float* x, int64_t M, int64_t K, const W* tiles, int64_t N, float* y, const float* bias) {
+  const int64_t count = (N + kTile - 1) / kTile;
+  at::parallel_for(0, count, 1, [&](int64_t first, int64_t end) {
+    for (int64_t t = first; t < end; ++t) {
+      const W* tile = tiles + t * K * kTile;
+      const int64_t col = t * kTile, cols = std::min(kTile, N - col);
+      const float* b = bias ? bias + col : nullptr;
+      for (int64_t m = 0; m < M; m += kRows) {  // later row blocks read the tile from cache
+        const float* xm = x + m * K;
+        float* ym = y + m * N + col;
+        kRowsByTile<W>[std::min(kRows, M - m) - 1](xm, K, tile, ym, N, cols, b);
+      }
+    }
+  });
+}
+
+// rms_norm: y = w * (x / sqrt(mean(x^2) + eps)) over the last dimension of x; the sum of
+// squares in 16 lanes, then the lanes in a fixed order. One call instead of PyTorch's eight
+// dispatched ops (about 1.5 us against 15-45 us for a 384-wide row).
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat && x.device().is_cpu(),
+              "x must be contiguous float32 on the CPU");
+  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == torch::kFloat && weight.numel() == n,
+              "weight must be a contiguous float32 vector of x's last dimension");
+  auto y = torch::empty_like(x);
+  const float* w = weight.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x.data_ptr<float>() + r * n;
+    float* yr = y.data_ptr<float>() + r * n;
+    __m512 squares = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+      const __m512 xi = _mm512_maskz_loadu_ps(first_lanes(n - i), xr + i);
+      squares = _mm512_fmadd_ps(xi, xi, squares);
+    }
+    const float scale = 1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(n) + static_cast<float>(eps));
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 lanes = first_lanes(n - i);
+      const __m512 h = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, xr + i), s);
+      _mm512_mask_storeu_ps(yr + i, lanes, _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, w + i), h));
+    }
+  }
+  return y;
+}
+
+torch::Tensor tiled_linear(const torch::Tensor& x, const torch::Tensor& tiles, int64_t out_features,
+                           const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat && x.device().is_cpu(),
+              "x must be a contiguous float32 CPU matrix");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  TORCH_CHECK(tiles.dim() == 3 && tiles.is_contiguous() && tiles.size(0) == (N + kTile - 1) / kTile &&
+                  tiles.size(1) == K && tiles.size(2) == kTile,
+              "tiles must be [ceil(out / 64), in, 64] and contiguous");
+  TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->scalar_type() == torch::kFloat && bias->numel() == N),
+              "bias must be a contiguous float32 vector of out_features");
+  auto y = torch::empty({M, N}, x.options());
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  if (tiles.scalar_type() == torch::kHalf) {
+    product(x.data_ptr<float>(), M, K, tiles.data_ptr<at::Half>(), N, y.data_ptr<float>(), b);
+  } else {
+    TORCH_CHECK(tiles.scalar_type() == torch::kFloat, "tiles must be float16 or float32");
+    product(x.data_ptr<float>(), M, K, tiles.data_ptr<float>(), N, y.data_ptr<float>(), b);
+  }
+  return y;
+}
+
+// exp(x) for x <= 0 (softmax scores less their maximum): 2^n * e^r with r = x - n ln2 in
+// [-ln2/2, ln2/2] and a degree-6 Taylor polynomial for e^r (relative error ~1e-7).
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));  // below, e^x is 0 in float32 terms; callers zero masked keys
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 poly = _mm512_set1_ps(1.0f / 720);
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 120));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 24));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 6));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.5f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(poly, n);
+}
+
+// The horizontal sums of 16 vectors, as one vector (lane i: the sum of acc[i]'s lanes): a
+// fixed tree of in-lane and cross-lane shuffles, about 3 ops per vector against ~8 for
+// reducing each alone. Each lane sums only its own vector, always in the same order.
+inline __m512 sums_of_16(const __m512 acc[16]) {
+  __m512 quads[4];
+  for (int g = 0; g < 4; ++g) {  // per 128-bit block: the block's sums of acc[4g .. 4g+3]
+    const __m512 *a = acc + 4 * g;
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+    quads[g] = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  // block g of the result: the four blocks of quads[g] added
+  const __m512 q01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 q23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(q01, q23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(q01, q23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Which of keys j0 .. j0+15 (fewer at the end) a query may attend to.
+inline __mmask16 live_keys(const bool* allowed, int64_t allowed_stride, int64_t j0, int64_t S) {
+  __mmask16 live = first_lanes(S - j0);
+  if (!allowed) return live;
+  unsigned bits = 0;
+  for (int i = 0; i < 16 && j0 + i < S; ++i) bits |= static_cast<unsigned>(allowed[(j0 + i) * allowed_stride]) << i;
+  return live & static_cast<__mmask16>(bits);
+}
+
+// One query against its keys: softmax(q k^T * scale) v over the keys `allowed` lets through
+// (all when null), into out [D]. C vectors of 16 hold a head (D <= 16 C). Scores are made 16
+// keys at a time; a key's score, its softmax weight and its term of the weighted sum do not
+// depend on which other keys are there, and masked keys weigh exactly 0.
+template <int C>
+void attend_query(const float* q, const float* keys, int64_t key_stride, const float* values, int64_t value_stride,
+                  int64_t S, int64_t D, const bool* allowed, int64_t allowed_stride, float scale, float* scores,
+                  float* out) {
+  __m512 qv[C];
+  for (int c = 0; c < C; ++c) qv[c] = _mm512_maskz_loadu_ps(first_lanes(D - 16 * c), q + 16 * c);
+  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 top = lowest;
+  for (int64_t j0 = 0; j0 < S; j0 += 16) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) {
+      acc[i] = _mm512_setzero_ps();
+      if (j0 + i >= S) continue;
+      const float* k = keys + (j0 + i) * key_stride;
+      for (int c = 0; c < C; ++c) acc[i] = _mm512_fmadd_ps(qv[c], _mm512_maskz_loadu_ps(first_lanes(D - 16 * c), k + 16 * c), acc[i]);
+    }
+    const __m512 s = _mm512_mask_blend_ps(live_keys(allowed, allowed_stride, j0, S), lowest,
+                                          _mm512_mul_ps(sums_of_16(acc), _mm512_set1_ps(scale)));
+    top = _mm512_max_ps(top, s);
+    _mm512_storeu_ps(scores + j0, s);  // scores holds S rounded up to 16
+  }
+  const float best = _mm512_reduce_max_ps(top);
+  __m512 o[C];
+  for (int c = 0; c < C; ++c) o[c] = _mm512_setzero_ps();
+  __m512 total = _mm512_setzero_ps();
+  if (best != -std::numeric_limits<float>::infinity()) {  // else no key to attend to: zeros
+    const __m512 best_v = _mm512_set1_ps(best);
+    for (int64_t j0 = 0; j0 < S; j0 += 16) {
+      const __m512 s = _mm512_loadu_ps(scores + j0);
+      const __mmask16 live = _mm512_cmp_ps_mask(s, lowest, _CMP_NEQ_OQ);
+      const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(s, best_v)));
+      total = _mm512_add_ps(total, e);
+      alignas(64) float weights[16];
+      _mm512_store_ps(weights, e);
+      for (unsigned rest = live; rest; rest &= rest - 1) {  // the live keys, in order
+        const int i = __builtin_ctz(rest);
+        const float* v = values + (j0 + i) * value_stride;
+        const __m512 w = _mm512_set1_ps(weights[i]);
+        for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(first_lanes(D - 16 * c), v + 16 * c), o[c]);
+      }
+    }
+    const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+    for (int c = 0; c < C; ++c) o[c] = _mm512_mul_ps(o[c], inverse);
+  }
+  for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(out + 16 * c, first_lanes(D - 16 * c), o[c]);
+}
+
+using AttendQuery = void (*)(const float*, const float*, int64_t, const float*, int64_t, int64_t, int64_t, const bool*,
+                             int64_t, float, float*, float*);
+constexpr AttendQuery kAttendQuery[8] = {attend_query<1>, attend_query<2>, attend_query<3>, attend_query<4>,
+                                         attend_query<5>, attend_query<6>, attend_query<7>, attend_query<8>};
+
+// attend: attention of queries q [B, H, T, D] to keys and values [B, G, S, D] (G groups of
+// H / G query heads; the last dimension contiguous), scaled by `scale`, where a boolean mask
+// (broadcast to [B, T, S]) lets a key through; out [B, T, H, D]. Each query's scores, softmax
+// and weighted sum run in one fixed order over its keys, and masked keys are skipped, so a
+// query's result is the same whatever other queries share the call and however many masked
+// keys follow its last one: a k-token forward computes what k one-token forwards do.
+torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                     const c10::optional<torch::Tensor>& mask, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be [B, heads, tokens, head_dim]");
+  for (const auto* t : {&q, &k, &v})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->device().is_cpu() && t->stride(3) == 1,
+                "q, k, v must be float32 on the CPU with a contiguous last dimension");
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), G = k.size(1), S = k.size(2);
+  TORCH_CHECK(D <= 128 && k.size(3) == D && v.size(3) == D && G > 0 && H % G == 0 && k.size(0) == B &&
+                  v.size(0) == B && v.size(1) == G && v.size(2) == S,
+              "attend: shapes do not fit (head_dim at most 128)");
+  if (mask.has_value())
+    TORCH_CHECK(mask->scalar_type() == torch::kBool && mask->dim() == 3 && mask->size(0) == B && mask->size(1) == T &&
+                    mask->size(2) == S,
+                "mask must be boolean [B, T, S]");
+  auto out = torch::empty({B, T, H, D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const bool* mp = mask.has_value() ? mask->data_ptr<bool>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t per_group = H / G;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(S * D, 1));
+  at::parallel_for(0, B * H * T, grain, [&](int64_t first, int64_t end) {
+    std::vector<float> scores(S + 16);
+    for (int64_t item = first; item < end; ++item) {
+      const int64_t b = item / (H * T), h = item / T % H, t = item % T, g = h / per_group;
+      const float* query = qp + b * q.stride(0) + h * q.stride(1) + t * q.stride(2);
+      const float* keys = kp + b * k.stride(0) + g * k.stride(1);
+      const float* values = vp + b * v.stride(0) + g * v.stride(1);
+      const bool* allowed = mp ? mp + b * mask->stride(0) + t * mask->stride(1) : nullptr;
+      const int64_t allowed_stride = mp ? mask->stride(2) : 0;
+      float* o = op + ((b * T + t) * H + h) * D;
+      kAttendQuery[(D + 15) / 16 - 1](query, keys, k.stride(2), values, v.stride(2), S, D, allowed, allowed_stride,
+                                      static_cast<float>(scale), scores.data(), o);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("tiled_linear", &tiled_linear, "x [M, K] float32 times tiled weights [ceil(N/64), K, 64], plus bias");
+  m.def("rms_norm", &rms_norm, "RMSNorm of contiguous float32 x over its last dimension");
+  m.def("attend", &attend, "attention of float32 q [B, H, T, D] to k, v [B, G, S, D] under a boolean mask [B, T, S]");
+}
