@@ -1,7 +1,8 @@
-"""Float32 CPU kernels (model/cpu_kernels.py): the tiled product (model/tiled.py) and RMSNorm
-compute PyTorch's results up to float32 rounding, each row's bits independent of how many
-rows share the call; float16 tiles exactly where the weights are float16 values, PyTorch's
-product past MAX_ROWS rows, float32 models using them, and the switch that turns them off."""
+"""Float32 CPU kernels (model/cpu_kernels.py): the tiled product (model/tiled.py), RMSNorm and
+attention compute PyTorch's results up to float32 rounding, RoPE its bits; each row's bits
+do not depend on how many rows share the call; float16 tiles exactly where the weights are
+float16 values, PyTorch's product past MAX_ROWS rows, float32 models using the kernels (a
+k-token forward equal to k one-token forwards), and the switch that turns them off."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from failfast.model import cpu_kernels
 from failfast.model.packed import pack_weight
 from failfast.model.ragged import Ragged
 from failfast.model.tiled import MAX_ROWS, TiledWeight, tile
-from failfast.model.transformer import MLP, Attention, Linear, RMSNorm, linear
+from failfast.model.transformer import MLP, Attention, Linear, RMSNorm, Rotary, apply_rotary, linear
 from tests.helpers import tiny_config, write_model
 
 AVX512 = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512",
@@ -202,3 +203,13 @@ def test_a_float32_verification_forward_computes_what_one_token_forwards_do(tmp_
         in_batch = model.forward_ragged(ragged, batch)[:12]
     assert torch.equal(verified, one_by_one)
     assert torch.equal(in_batch, one_by_one[0])
+
+
+@AVX512
+@pytest.mark.parametrize("head_dim", [8, 64, 100])
+def test_rotary_gives_the_bits_of_the_formula_for_strided_heads(head_dim):
+    rope = Rotary(head_dim, 10000.0)(torch.arange(295, 300), torch.float32)
+    x = torch.randn(2, 5, 3, head_dim, generator=torch.Generator().manual_seed(head_dim)).transpose(1, 2)
+    out = cpu_kernels.kernels().rotary(x, *rope)
+    assert out.is_contiguous() and torch.equal(out, x * rope[0] + x.roll(head_dim // 2, dims=-1) * rope[1])
+    assert torch.equal(apply_rotary(x, *rope), out)

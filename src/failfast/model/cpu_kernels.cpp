@@ -279,10 +279,50 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
   return out;
 }
 
+// out[i] = x[i] * cos[i] + partner[i] * signed_sin[i] for i < n: one half of a rotated head.
+inline void rotate_half(const float* x, const float* partner, const float* cos, const float* signed_sin, float* out,
+                        int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 lanes = first_lanes(n - i);
+    const __m512 straight = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, x + i), _mm512_maskz_loadu_ps(lanes, cos + i));
+    const __m512 swapped =
+        _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, partner + i), _mm512_maskz_loadu_ps(lanes, signed_sin + i));
+    _mm512_mask_storeu_ps(out + i, lanes, _mm512_add_ps(straight, swapped));
+  }
+}
+
+// rotary: RoPE in the rotate-half layout, x * cos + roll(x, D/2) * signed_sin (model/transformer.py's
+// `apply_rotary`: the same two multiplies and one add per element, never fused, so the same
+// bits) for x [B, H, T, D] with a contiguous last dimension and tables [T, D]; out contiguous.
+// One call instead of five ops.
+torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& signed_sin) {
+  TORCH_CHECK(x.dim() == 4 && x.scalar_type() == torch::kFloat && x.device().is_cpu() && x.stride(3) == 1,
+              "x must be float32 [B, heads, T, D] on the CPU with a contiguous last dimension");
+  const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3), half = D / 2;
+  TORCH_CHECK(D % 2 == 0, "head_dim must be even");
+  for (const auto* table : {&cos, &signed_sin})
+    TORCH_CHECK(table->is_contiguous() && table->scalar_type() == torch::kFloat && table->dim() == 2 &&
+                    table->size(0) == T && table->size(1) == D,
+                "cos and signed_sin must be contiguous float32 [T, D]");
+  auto out = torch::empty({B, H, T, D}, x.options());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t t = 0; t < T; ++t) {
+        const float* row = x.data_ptr<float>() + b * x.stride(0) + h * x.stride(1) + t * x.stride(2);
+        const float* c = cos.data_ptr<float>() + t * D;
+        const float* s = signed_sin.data_ptr<float>() + t * D;
+        float* o = out.data_ptr<float>() + ((b * H + h) * T + t) * D;
+        rotate_half(row, row + half, c, s, o, half);
+        rotate_half(row + half, row, c + half, s + half, o + half, half);
+      }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tiled_linear", &tiled_linear, "x [M, K] float32 times tiled weights [ceil(N/64), K, 64], plus bias");
   m.def("rms_norm", &rms_norm, "RMSNorm of contiguous float32 x over its last dimension");
+  m.def("rotary", &rotary, "RoPE of float32 x [B, H, T, D] with tables [T, D] (rotate-half layout)");
   m.def("attend", &attend, "attention of float32 q [B, H, T, D] to k, v [B, G, S, D] under a boolean mask [B, T, S]");
 }

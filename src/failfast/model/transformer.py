@@ -204,7 +204,10 @@ def apply_rotary(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     """RoPE in the rotate-half layout: x * cos + [-x2, x1] * sin, written as x * cos + [x2, x1]
     * [-sin1, sin2] (`Rotary`'s tables). Negating a factor is exact, so the bits are the
     reference formula's; `roll` swaps the halves in one op (docs/design.md, "Fewer ops per
-    forward")."""
+    forward"). Float32 inference on [B, heads, T, D] with [T, D] tables is one kernel call with
+    the same bits (docs/design.md, "Float32 CPU kernels")."""
+    if cos.dim() == 2 and x.dim() == 4 and (kernels := cpu_kernels.runs_on(x, cos, signed_sin)) is not None:
+        return kernels.rotary(x, cos.contiguous(), signed_sin.contiguous())
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
