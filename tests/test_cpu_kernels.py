@@ -18,8 +18,8 @@ from failfast.model.tiled import MAX_ROWS, TiledWeight, tile
 from failfast.model.transformer import MLP, Attention, Linear, RMSNorm, Rotary, apply_rotary, linear
 from tests.helpers import tiny_config, write_model
 
-AVX512 = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512",
-                            reason="the kernels run where PyTorch runs at AVX-512")
+AVX512 = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512" or not cpu_kernels.toolchain(),
+                            reason="the kernels run where PyTorch runs at AVX-512 and a C++ compiler builds them")
 
 
 def operands(rows: int, out_features: int, in_features: int, bias: bool, float16_values: bool = True):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -26,6 +27,18 @@ COMPILE_FLAGS = ["-O3", "-mavx512f", "-mfma", "-mf16c", "-ffp-contract=off", "-f
 NAME = "failfast_cpu_kernels"
 
 
+def toolchain() -> bool:
+    """True when a C++ compiler and ninja (the system's, or the `ninja` package's) are there to
+    build the kernels; puts the package's ninja on PATH when the system has none."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja  # the pip package: a dependency of failfast
+        except ImportError:
+            return False
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    return shutil.which(os.environ.get("CXX", "c++")) is not None
+
+
 def cache_dir() -> Path:
     """Where the built kernels are kept: one folder per source, flags and PyTorch version."""
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "failfast" / "kernels"
@@ -36,9 +49,13 @@ def cache_dir() -> Path:
 @functools.cache
 def kernels() -> ModuleType | None:
     """The compiled kernels, or None where they cannot run: FAILFAST_CPU_KERNELS=0, a CPU that
-    PyTorch does not run at AVX-512 (`ATEN_CPU_CAPABILITY` may lower it), or a failed build
-    (a warning says why)."""
+    PyTorch does not run at AVX-512 (`ATEN_CPU_CAPABILITY` may lower it), no C++ compiler or
+    a failed build (a warning says why)."""
     if os.environ.get(SWITCH, "1") == "0" or torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return None
+    if not toolchain():
+        warnings.warn(f"failfast: no C++ compiler (or ninja) to build the float32 CPU kernels; PyTorch's ops run "
+                      f"instead (install g++, or set {SWITCH}=0 to silence this)", stacklevel=2)
         return None
     build = cache_dir()
     if not (build / f"{NAME}.so").exists():
