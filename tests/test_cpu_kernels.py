@@ -6,6 +6,8 @@ k-token forward equal to k one-token forwards), and the switch that turns them o
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,8 +20,10 @@ from failfast.model.tiled import MAX_ROWS, TiledWeight, tile
 from failfast.model.transformer import MLP, Attention, Linear, RMSNorm, Rotary, apply_rotary, linear
 from tests.helpers import tiny_config, write_model
 
-AVX512 = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512" or not cpu_kernels.toolchain(),
-                            reason="the kernels run where PyTorch runs at AVX-512 and a C++ compiler builds them")
+AVX512 = pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() != "AVX512" or not cpu_kernels.toolchain()
+    or os.environ.get(cpu_kernels.SWITCH) == "0",
+    reason="the kernels run where PyTorch runs at AVX-512, a C++ compiler builds them and they are not switched off")
 
 
 def operands(rows: int, out_features: int, in_features: int, bias: bool, float16_values: bool = True):
@@ -72,10 +76,15 @@ def test_weights_that_are_not_float16_values_get_float32_tiles():
 
 
 @AVX512
-def test_more_rows_than_max_rows_take_pytorchs_product_and_any_layout_is_read_by_row():
+def test_more_rows_than_max_rows_or_gradients_take_pytorchs_product_and_any_layout_is_read_by_row():
     x, w, b = operands(MAX_ROWS + 1, 128, 64, bias=True)
+    zeros = TiledWeight(torch.zeros_like(tile(w).tiles), w)  # tiles unlike the weight: which path ran shows
+    assert torch.equal(linear(x[:MAX_ROWS], zeros, b), b.expand(MAX_ROWS, 128))
+    assert torch.equal(linear(x, zeros, b), linear(x, w, b))
+    wanting = x[:3].clone().requires_grad_(True)
+    out = linear(wanting, zeros, b)
+    assert out.grad_fn is not None and torch.equal(out, F.linear(wanting, w, b))
     tiled_w = tile(w)
-    assert torch.equal(linear(x, tiled_w, b), linear(x, w, b))
     batch = x[:12].view(3, 4, 64)
     strided = batch[:, 1:3]  # a batch slice: not contiguous
     assert torch.equal(linear(strided, tiled_w, b), linear(strided.contiguous(), tiled_w, b))
@@ -104,7 +113,8 @@ def test_a_float32_model_multiplies_with_tiles(tmp_path):
 @AVX512
 def test_a_layer_that_trains_again_multiplies_with_its_weight():
     layer = Linear(16, 8).requires_grad_(False)
-    layer.packed = tile(layer.weight)
+    layer.pack(tile(layer.weight))
+    assert torch.equal(layer(torch.ones(1, 16)), layer.packed.product(torch.ones(1, 16), layer.bias))
     with torch.no_grad():
         layer.weight.zero_()  # the tiles are stale now
     layer.requires_grad_(True)
@@ -213,3 +223,67 @@ def test_rotary_gives_the_bits_of_the_formula_for_strided_heads(head_dim):
     out = cpu_kernels.kernels().rotary(x, *rope)
     assert out.is_contiguous() and torch.equal(out, x * rope[0] + x.roll(head_dim // 2, dims=-1) * rope[1])
     assert torch.equal(apply_rotary(x, *rope), out)
+
+
+@AVX512
+def test_swiglu_matches_float64_whatever_the_rows_and_threads():
+    """PyTorch's SiLU takes a scalar exp for a chunk's leftovers, so its bits moved with the row
+    count and thread split; the kernel's do not."""
+    gen = torch.Generator().manual_seed(4)
+    gate_up = torch.randn(40, 2 * 2000, generator=gen) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 4):
+            torch.set_num_threads(n)
+            outs.append(cpu_kernels.kernels().swiglu(gate, up))
+            outs.append(torch.cat([cpu_kernels.kernels().swiglu(gate[i:i + 1], up[i:i + 1]) for i in range(40)]))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], other) for other in outs[1:])
+    torch.testing.assert_close(outs[0].double(), F.silu(gate.double()) * up.double(), rtol=1e-6, atol=1e-6)
+
+
+@AVX512
+def test_a_wide_mlp_verifies_like_one_token_forwards_on_more_threads(tmp_path):
+    """Qwen2.5-0.5B's MLP width (4864) on 4 threads, where PyTorch's SiLU broke the equality."""
+    cfg = tiny_config(vocab_size=200, hidden_size=64, intermediate_size=4864, num_attention_heads=2,
+                      num_key_value_heads=1, attention_bias=True)
+    model = load_model(write_model(tmp_path / "m", cfg, seed=1)).model
+    ids = torch.randint(0, 200, (1, 40), generator=torch.Generator().manual_seed(1))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        with torch.inference_mode():
+            cache = model.new_cache(48)
+            model(ids[:, :20], 0, cache)
+            verified = model(ids[:, 20:40], 20, cache)
+            cache.length = 20
+            one_by_one = torch.cat([model(ids[:, p:p + 1], p, cache) for p in range(20, 40)], dim=1)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(verified, one_by_one)
+
+
+@AVX512
+def test_a_packed_model_whose_weights_change_in_place_stops_using_its_copies(tmp_path):
+    """`load_state_dict` into a loaded float32 model: its tiles and fused products are stale,
+    so it computes with the new weights (as a fresh load of them does)."""
+    cfg = tiny_config(tie_word_embeddings=True, attention_bias=True)
+    model = load_model(write_model(tmp_path / "a", cfg, seed=0)).model
+    other = load_model(write_model(tmp_path / "b", cfg, seed=1), dtype=torch.float64).model
+    model.load_state_dict({k: v.float() for k, v in other.state_dict().items()})
+    ids = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    got, want = (m(ids, 0, m.new_cache(16)) for m in (model, other))
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+@AVX512
+def test_heads_wider_than_the_attention_kernel_take_sdpa(tmp_path):
+    cfg = tiny_config(hidden_size=288, num_attention_heads=2, num_key_value_heads=1, head_dim=144)
+    model = load_model(write_model(tmp_path / "m", cfg, seed=0)).model
+    wide = load_model(tmp_path / "m", dtype=torch.float64).model
+    ids = torch.randint(0, cfg.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
+    got, want = (m(ids, 0, m.new_cache(8)) for m in (model, wide))
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)

@@ -54,8 +54,9 @@ class MethodSpec:
 
     @property
     def is_peer(self) -> bool:
-        """Another engine on the same weights: its own kernels round differently from ours, so in
-        16 bits its tokens may differ from our plain AR (reported, not an error)."""
+        """Another engine on the same weights: its own kernels round differently from ours (in
+        float32 too, since ours are failfast's own on AVX-512 CPUs), so at a near-tie its tokens
+        may differ from our plain AR (reported, not an error)."""
         return self.kind in ("hf", "hf-assisted", "vllm")
 
 

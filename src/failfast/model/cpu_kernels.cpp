@@ -130,10 +130,11 @@ torch::Tensor tiled_linear(const torch::Tensor& x, const torch::Tensor& tiles, i
   return y;
 }
 
-// exp(x) for x <= 0 (softmax scores less their maximum): 2^n * e^r with r = x - n ln2 in
-// [-ln2/2, ln2/2] and a degree-6 Taylor polynomial for e^r (relative error ~1e-7).
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));  // below, e^x is 0 in float32 terms; callers zero masked keys
+// e^x, lane by lane: 2^n * e^r with r = x - n ln2 in [-ln2/2, ln2/2] and a degree-6 Taylor
+// polynomial for e^r (relative error ~1e-7); x is clamped to [-87, 88] (e^-87 ~ 1.6e-38, so
+// callers that need exact zeros, as for masked keys, set them themselves).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
@@ -146,6 +147,33 @@ inline __m512 exp_nonpositive(__m512 x) {
   poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
   poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(poly, n);
+}
+
+// swiglu: silu(gate) * up = gate / (1 + e^-gate) * up, element by element, for gate and up
+// [rows, n] (last dimension contiguous, any row stride: the halves of the fused gate/up
+// product); out [rows, n] contiguous. PyTorch's SiLU takes a vectorised exp for most elements
+// and a scalar one for a chunk's leftovers, and where chunks end depends on the row count and
+// the thread split; here every element takes the same path.
+torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up) {
+  TORCH_CHECK(gate.dim() == 2 && up.sizes() == gate.sizes() && gate.stride(1) == 1 && up.stride(1) == 1 &&
+                  gate.scalar_type() == torch::kFloat && up.scalar_type() == torch::kFloat && gate.device().is_cpu() &&
+                  up.device().is_cpu(),
+              "gate and up must be float32 CPU matrices of one shape with contiguous rows");
+  const int64_t rows = gate.size(0), n = gate.size(1);
+  auto out = torch::empty({rows, n}, gate.options());
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gate.data_ptr<float>() + r * gate.stride(0);
+    const float* u = up.data_ptr<float>() + r * up.stride(0);
+    float* o = out.data_ptr<float>() + r * n;
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 lanes = first_lanes(n - i);
+      const __m512 gi = _mm512_maskz_loadu_ps(lanes, g + i);
+      const __m512 silu = _mm512_div_ps(gi, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gi))));
+      _mm512_mask_storeu_ps(o + i, lanes, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(lanes, u + i)));
+    }
+  }
+  return out;
 }
 
 // The horizontal sums of 16 vectors, as one vector (lane i: the sum of acc[i]'s lanes): a
@@ -212,7 +240,7 @@ void attend_query(const float* q, const float* keys, int64_t key_stride, const f
     for (int64_t j0 = 0; j0 < S; j0 += 16) {
       const __m512 s = _mm512_loadu_ps(scores + j0);
       const __mmask16 live = _mm512_cmp_ps_mask(s, lowest, _CMP_NEQ_OQ);
-      const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(s, best_v)));
+      const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s, best_v)));
       total = _mm512_add_ps(total, e);
       alignas(64) float weights[16];
       _mm512_store_ps(weights, e);
@@ -247,9 +275,9 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
     TORCH_CHECK(t->scalar_type() == torch::kFloat && t->device().is_cpu() && t->stride(3) == 1,
                 "q, k, v must be float32 on the CPU with a contiguous last dimension");
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), G = k.size(1), S = k.size(2);
-  TORCH_CHECK(D <= 128 && k.size(3) == D && v.size(3) == D && G > 0 && H % G == 0 && k.size(0) == B &&
+  TORCH_CHECK(D > 0 && D <= 128 && k.size(3) == D && v.size(3) == D && G > 0 && H % G == 0 && k.size(0) == B &&
                   v.size(0) == B && v.size(1) == G && v.size(2) == S,
-              "attend: shapes do not fit (head_dim at most 128)");
+              "attend: shapes do not fit (head_dim 1 to 128)");
   if (mask.has_value())
     TORCH_CHECK(mask->scalar_type() == torch::kBool && mask->dim() == 3 && mask->size(0) == B && mask->size(1) == T &&
                     mask->size(2) == S,
@@ -320,9 +348,12 @@ torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const tor
 
 }  // namespace
 
+// The kernels touch no Python object: other Python threads (a server's) run meanwhile.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("tiled_linear", &tiled_linear, "x [M, K] float32 times tiled weights [ceil(N/64), K, 64], plus bias");
-  m.def("rms_norm", &rms_norm, "RMSNorm of contiguous float32 x over its last dimension");
-  m.def("rotary", &rotary, "RoPE of float32 x [B, H, T, D] with tables [T, D] (rotate-half layout)");
-  m.def("attend", &attend, "attention of float32 q [B, H, T, D] to k, v [B, G, S, D] under a boolean mask [B, T, S]");
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("tiled_linear", &tiled_linear, release(), "x [M, K] float32 times tiled weights [ceil(N/64), K, 64], plus bias");
+  m.def("rms_norm", &rms_norm, release(), "RMSNorm of contiguous float32 x over its last dimension");
+  m.def("rotary", &rotary, release(), "RoPE of float32 x [B, H, T, D] with tables [T, D] (rotate-half layout)");
+  m.def("swiglu", &swiglu, release(), "silu(gate) * up of float32 [rows, n] matrices");
+  m.def("attend", &attend, release(), "attention of float32 q [B, H, T, D] to k, v [B, G, S, D] under a boolean mask [B, T, S]");
 }

@@ -14,6 +14,7 @@ import hashlib
 import os
 import shutil
 import sys
+import sysconfig
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -33,16 +34,18 @@ def toolchain() -> bool:
     if shutil.which("ninja") is None:
         try:
             import ninja  # the pip package: a dependency of failfast
-        except ImportError:
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except (ImportError, AttributeError):
             return False
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    return shutil.which(os.environ.get("CXX", "c++")) is not None
+    compiler = os.environ.get("CXX", "c++").split()  # may be a launcher and a compiler ("ccache g++")
+    return bool(compiler) and shutil.which(compiler[0]) is not None
 
 
 def cache_dir() -> Path:
     """Where the built kernels are kept: one folder per source, flags and PyTorch version."""
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "failfast" / "kernels"
-    tag = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(COMPILE_FLAGS).encode())
+    tag = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(COMPILE_FLAGS).encode()
+                         + (sysconfig.get_config_var("EXT_SUFFIX") or "").encode())  # the Python ABI too
     return root / f"{NAME}-{tag.hexdigest()[:16]}"
 
 
@@ -57,11 +60,11 @@ def kernels() -> ModuleType | None:
         warnings.warn(f"failfast: no C++ compiler (or ninja) to build the float32 CPU kernels; PyTorch's ops run "
                       f"instead (install g++, or set {SWITCH}=0 to silence this)", stacklevel=2)
         return None
-    build = cache_dir()
-    if not (build / f"{NAME}.so").exists():
-        print("failfast: compiling float32 CPU kernels for this machine (once, about 30 s)", file=sys.stderr)
     try:
         from torch.utils.cpp_extension import load
+        build = cache_dir()
+        if not (build / f"{NAME}.so").exists():
+            print("failfast: compiling float32 CPU kernels for this machine (once, about 30 s)", file=sys.stderr)
         build.mkdir(parents=True, exist_ok=True)
         return load(NAME, [str(SOURCE)], extra_cflags=COMPILE_FLAGS, extra_ldflags=["-fopenmp"],
                     build_directory=str(build))

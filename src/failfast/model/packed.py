@@ -80,9 +80,9 @@ def pack_linears(model: nn.Module) -> int:
         if isinstance(module, Linear) and can_pack(module.weight):
             if packs_column_major(module.weight) and id(module.weight) not in tables:
                 module.weight.data = column_major(module.weight)
-                module.packed = tile(module.weight)
+                module.pack(tile(module.weight))
             else:
-                module.packed = pack_weight(module.weight)
+                module.pack(pack_weight(module.weight))
             packed += 1
     fuse_projections(model, _packed_product)
     return packed
@@ -99,5 +99,5 @@ def _packed_product(layers: Sequence[nn.Module]) -> Callable[[Tensor], Tensor] |
         column_major = fused.weight if isinstance(fused, TiledWeight) else fused
         for layer, rows in zip(layers, column_major.split([layer.weight.shape[0] for layer in layers])):
             layer.weight.data = rows
-            layer.packed = None  # the fused product serves the layer (its own tiles would be a second copy)
+            layer.pack(None)  # the fused product serves the layer (its own tiles would be a second copy)
     return partial(linear, weight=fused, bias=bias)

@@ -21,9 +21,10 @@ from torch import Tensor
 from failfast.model.cpu_kernels import kernels
 
 TILE = 64  # output columns per tile (the kernel's kTile)
-# At most this many rows go to the kernel, more to PyTorch's product (a prompt's prefill): the
-# kernel measured at least as fast as MKL up to 64 rows on the embedded target, 10% slower at 128.
-MAX_ROWS = 64
+# At most this many rows go to the kernel, more to MKL's product (a long prompt's prefill). On
+# the embedded target's products the kernel is as fast as MKL up to ~96 rows and 11% slower at
+# 256 (26% at 512); up to 256 rows, verifications of whole batches are row-invariant too.
+MAX_ROWS = 256
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,12 +47,14 @@ class TiledWeight:
     def shape(self) -> torch.Size:
         return self.weight.shape
 
-    def takes(self, x: Tensor) -> bool:
-        """True for float32 input of at most MAX_ROWS rows."""
-        return x.dtype == torch.float32 and x.numel() <= MAX_ROWS * x.shape[-1]
+    def takes(self, x: Tensor, bias: Tensor | None) -> bool:
+        """True for float32 input of at most MAX_ROWS rows that takes no gradients (the kernel
+        has no backward)."""
+        grads = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+        return x.dtype == torch.float32 and x.numel() <= MAX_ROWS * x.shape[-1] and not grads
 
     def product(self, x: Tensor, bias: Tensor | None) -> Tensor:
-        """x [..., in] times the weight, plus bias: [..., out] (for input that `takes`)."""
+        """x [..., in] times the weight, plus bias: [..., out] (for input it `takes`)."""
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         out = kernels().tiled_linear(rows, self.tiles, self.weight.shape[0],  # type: ignore[union-attr]
                                     None if bias is None else bias.contiguous())

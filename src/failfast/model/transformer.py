@@ -49,7 +49,7 @@ def linear(x: Tensor, weight: Tensor | TiledWeight, bias: Tensor | None = None) 
     float32/float64 x goes to `F.linear` as it is (the same one product, two ops less; a
     strided one would take a batched product that rounds differently)."""
     if isinstance(weight, TiledWeight):
-        if weight.takes(x):
+        if weight.takes(x, bias):
             return weight.product(x, bias)
         weight = weight.weight
     if x.dtype not in HALF_DTYPES and not weight.is_mkldnn and x.is_contiguous():
@@ -62,14 +62,31 @@ def linear(x: Tensor, weight: Tensor | TiledWeight, bias: Tensor | None = None) 
     return row_blocked(op, rows).view(*x.shape[:-1], weight.shape[0])
 
 
+def versions(module: nn.Module) -> tuple[int | None, ...]:
+    """The in-place change counters of a module's own parameters and buffers (None for an
+    inference tensor, which has none): a packed or fused copy made from them is stale once
+    they move (a `load_state_dict`, an optimizer step)."""
+    def version(t: Tensor) -> int | None:
+        try:
+            return t._version
+        except RuntimeError:
+            return None
+    return tuple(version(t) for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)])
+
+
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters and names) whose 16-bit rows do not depend on the batch.
-    `packed`: the weight prepacked for CPU inference (`model/packed.py`), or None."""
+    `packed`: the weight prepacked for CPU inference (`model/packed.py`, set by `pack`), or
+    None; ignored while the weight trains or once it changed in place."""
 
-    packed: Tensor | None = None
+    packed: Tensor | TiledWeight | None = None
+    packed_from: tuple[int | None, ...] = ()  # `versions` when it was packed
+
+    def pack(self, packed: Tensor | TiledWeight | None) -> None:
+        self.packed, self.packed_from = packed, versions(self)
 
     def forward(self, x: Tensor) -> Tensor:
-        fresh = self.packed is not None and not trains(self)
+        fresh = self.packed is not None and not trains(self) and versions(self) == self.packed_from
         return linear(x, self.packed if fresh else self.weight, self.bias)
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's hook behind .to() and the like
@@ -86,10 +103,29 @@ def dtype_and_device(t: Tensor | None) -> tuple[torch.dtype, torch.device] | Non
 
 class FusesProjections(nn.Module):
     """A module with one fused product (`fuse_projections`) built from some of its layers'
-    weights; a conversion (`.to()`, `.double()`...) that changes those weights drops it."""
+    weights; a conversion (`.to()`, `.double()`...) that changes those weights drops it, and
+    while they train or once they changed in place the layers run themselves (`fused`)."""
 
     fused_attr: str  # where the product is kept
-    first_fused: str  # the first of the layers it was built from
+    fused_layers: tuple[str, ...]  # the layers it is built from, outputs side by side
+    fused_from: tuple[tuple[int | None, ...], ...] = ()  # the layers' `versions` when it was built
+
+    def set_fused(self, product: Callable[[Tensor], Tensor]) -> None:
+        setattr(self, self.fused_attr, product)
+        self.fused_from = tuple(versions(layer) for layer in self.layers_fused())
+
+    def layers_fused(self) -> list[nn.Module]:
+        return [getattr(self, name) for name in self.fused_layers]
+
+    def fused(self) -> Callable[[Tensor], Tensor] | None:
+        """The fused product, or None: none built, a layer trains, or a layer changed since."""
+        product = getattr(self, self.fused_attr)
+        if product is None:
+            return None
+        layers = self.layers_fused()
+        if trains(layers[0]) or tuple(versions(layer) for layer in layers) != self.fused_from:
+            return None
+        return product
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001
         before = self._float_layout()
@@ -100,7 +136,7 @@ class FusesProjections(nn.Module):
 
     def _float_layout(self) -> tuple[torch.dtype, torch.device] | None:
         """Dtype and device of the first fused layer's first float tensor (an int8 layer's scales)."""
-        layer = getattr(self, self.first_fused)
+        layer = getattr(self, self.fused_layers[0])
         floats = (t for t in [*layer.parameters(), *layer.buffers()] if t.is_floating_point())
         return dtype_and_device(next(floats, None))
 
@@ -206,7 +242,8 @@ def apply_rotary(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     reference formula's; `roll` swaps the halves in one op (docs/design.md, "Fewer ops per
     forward"). Float32 inference on [B, heads, T, D] with [T, D] tables is one kernel call with
     the same bits (docs/design.md, "Float32 CPU kernels")."""
-    if cos.dim() == 2 and x.dim() == 4 and (kernels := cpu_kernels.runs_on(x, cos, signed_sin)) is not None:
+    if (x.dim() == 4 and cos.shape == signed_sin.shape == x.shape[-2:] and cos.dtype == signed_sin.dtype == x.dtype
+            and (kernels := cpu_kernels.runs_on(x, cos, signed_sin)) is not None):
         return kernels.rotary(x, cos.contiguous(), signed_sin.contiguous())
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
@@ -218,7 +255,7 @@ class Attention(FusesProjections):
     batch_invariant = True
     # q, k and v projections as one product (a packed or int8 weight: `fuse_projections`)
     qkv: Callable[[Tensor], Tensor] | None = None
-    fused_attr, first_fused = "qkv", "q_proj"
+    fused_attr, fused_layers = "qkv", ("q_proj", "k_proj", "v_proj")
 
     def __init__(self, cfg: ModelConfig, in_features: int | None = None) -> None:
         """`in_features`: the width of what q/k/v project (the hidden size unless given: an
@@ -266,10 +303,10 @@ class Attention(FusesProjections):
 
     def _projections(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v projections of x: one packed product when `qkv` is set (inference), else three."""
-        if self.qkv is None or trains(self.q_proj):
+        if (qkv := self.fused()) is None:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
         kv = self.n_kv * self.head_dim
-        return self.qkv(x).split([self.n_heads * self.head_dim, kv, kv], dim=-1)
+        return qkv(x).split([self.n_heads * self.head_dim, kv, kv], dim=-1)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None,
                 cache: KVCache | None, layer: int, start: int | Ragged, context_end: int | None) -> Tensor:
@@ -282,7 +319,7 @@ class Attention(FusesProjections):
             q = start.to_padded(q[0].transpose(0, 1)).transpose(1, 2)  # [rows, heads, width, head_dim]
         elif cache is not None:
             k, v = cache.write(layer, start, k, v, context_end)
-        if cache is not None and (kernels := cpu_kernels.runs_on(q, k, v)) is not None:
+        if cache is not None and self.head_dim <= 128 and (kernels := cpu_kernels.runs_on(q, k, v)) is not None:
             # float32 inference: each query in one fixed order, [B, T, heads, head_dim] (docs/design.md,
             # "Float32 CPU kernels")
             out = kernels.attend(q, k, v, per_row_mask(mask, q.shape[0]), self.head_dim ** -0.5)
@@ -324,15 +361,13 @@ def fuse_projections(model: nn.Module, fuse: Callable[[Sequence[nn.Module]], Cal
     leave the module as it is. It is a plain callable, not a module, so state dicts keep
     Hugging Face's names. Fewer, wider matmul calls: 4 per layer instead of 7."""
     for module in model.modules():
-        if isinstance(module, Attention) and (product := fuse([module.q_proj, module.k_proj, module.v_proj])):
-            module.qkv = product
-        elif isinstance(module, MLP) and (product := fuse([module.gate_proj, module.up_proj])):
-            module.gate_up = product
+        if isinstance(module, FusesProjections) and (product := fuse(module.layers_fused())):
+            module.set_fused(product)
 
 
 class MLP(FusesProjections):
     gate_up: Callable[[Tensor], Tensor] | None = None  # gate and up projections as one product (`fuse_projections`)
-    fused_attr, first_fused = "gate_up", "gate_proj"
+    fused_attr, fused_layers = "gate_up", ("gate_proj", "up_proj")
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -341,10 +376,13 @@ class MLP(FusesProjections):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.gate_up is None or trains(self.gate_proj):
+        if (gate_up := self.fused()) is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            gate, up = gate_up(x).chunk(2, dim=-1)
+        if (kernels := cpu_kernels.runs_on(gate, up)) is not None:  # float32 inference: one fixed exp per element
+            rows = kernels.swiglu(gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1]))
+            return self.down_proj(rows.view(*gate.shape))
         return self.down_proj(F.silu(gate) * up)
 
 
