@@ -96,8 +96,8 @@ def _packed_product(layers: Sequence[nn.Module]) -> Callable[[Tensor], Tensor] |
     weight, bias = side_by_side(layers)
     fused = pack_weight(weight)
     if packs_column_major(weight):
-        column_major = fused.weight if isinstance(fused, TiledWeight) else fused
-        for layer, rows in zip(layers, column_major.split([layer.weight.shape[0] for layer in layers])):
+        laid_out = fused.weight if isinstance(fused, TiledWeight) else fused
+        for layer, rows in zip(layers, laid_out.split([layer.weight.shape[0] for layer in layers])):
             layer.weight.data = rows
             layer.pack(None)  # the fused product serves the layer (its own tiles would be a second copy)
     return partial(linear, weight=fused, bias=bias)

@@ -43,10 +43,6 @@ class TiledWeight:
     def device(self) -> torch.device:
         return self.weight.device
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.weight.shape
-
     def takes(self, x: Tensor, bias: Tensor | None) -> bool:
         """True for float32 input of at most MAX_ROWS rows that takes no gradients (the kernel
         has no backward)."""

@@ -62,16 +62,17 @@ def linear(x: Tensor, weight: Tensor | TiledWeight, bias: Tensor | None = None) 
     return row_blocked(op, rows).view(*x.shape[:-1], weight.shape[0])
 
 
-def versions(module: nn.Module) -> tuple[int | None, ...]:
-    """The in-place change counters of a module's own parameters and buffers (None for an
-    inference tensor, which has none): a packed or fused copy made from them is stale once
-    they move (a `load_state_dict`, an optimizer step)."""
-    def version(t: Tensor) -> int | None:
-        try:
-            return t._version
-        except RuntimeError:
-            return None
-    return tuple(version(t) for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)])
+def version(*modules: nn.Module) -> int | None:
+    """The sum of the in-place change counters of the modules' own parameters and buffers: a
+    packed or fused copy made from them is stale once it moves (a `load_state_dict`, an
+    optimizer step; counters only grow). None for inference tensors, which have none. Read on
+    every call of a packed layer, so from the modules' dicts (~1.4 us, against ~8 us through
+    `parameters()`)."""
+    try:
+        return sum(t._version for m in modules for t in (*m._parameters.values(), *m._buffers.values())
+                   if t is not None)
+    except RuntimeError:
+        return None
 
 
 class Linear(nn.Linear):
@@ -80,13 +81,13 @@ class Linear(nn.Linear):
     None; ignored while the weight trains or once it changed in place."""
 
     packed: Tensor | TiledWeight | None = None
-    packed_from: tuple[int | None, ...] = ()  # `versions` when it was packed
+    packed_from: int | None = None  # `version` when it was packed
 
     def pack(self, packed: Tensor | TiledWeight | None) -> None:
-        self.packed, self.packed_from = packed, versions(self)
+        self.packed, self.packed_from = packed, version(self)
 
     def forward(self, x: Tensor) -> Tensor:
-        fresh = self.packed is not None and not trains(self) and versions(self) == self.packed_from
+        fresh = self.packed is not None and not trains(self) and version(self) == self.packed_from
         return linear(x, self.packed if fresh else self.weight, self.bias)
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's hook behind .to() and the like
@@ -108,11 +109,11 @@ class FusesProjections(nn.Module):
 
     fused_attr: str  # where the product is kept
     fused_layers: tuple[str, ...]  # the layers it is built from, outputs side by side
-    fused_from: tuple[tuple[int | None, ...], ...] = ()  # the layers' `versions` when it was built
+    fused_from: int | None = None  # the layers' `version` when it was built
 
     def set_fused(self, product: Callable[[Tensor], Tensor]) -> None:
         setattr(self, self.fused_attr, product)
-        self.fused_from = tuple(versions(layer) for layer in self.layers_fused())
+        self.fused_from = version(*self.layers_fused())
 
     def layers_fused(self) -> list[nn.Module]:
         return [getattr(self, name) for name in self.fused_layers]
@@ -123,7 +124,7 @@ class FusesProjections(nn.Module):
         if product is None:
             return None
         layers = self.layers_fused()
-        if trains(layers[0]) or tuple(versions(layer) for layer in layers) != self.fused_from:
+        if trains(layers[0]) or version(*layers) != self.fused_from:
             return None
         return product
 
