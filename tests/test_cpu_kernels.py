@@ -14,10 +14,11 @@ import torch.nn.functional as F
 
 from failfast import load_model
 from failfast.model import cpu_kernels
+from failfast.model.int8 import load_drafter
 from failfast.model.packed import pack_weight
 from failfast.model.ragged import Ragged
 from failfast.model.tiled import MAX_ROWS, TiledWeight, tile
-from failfast.model.transformer import MLP, Attention, Linear, RMSNorm, Rotary, apply_rotary, linear
+from failfast.model.transformer import MLP, Attention, Linear, RMSNorm, Rotary, Transformer, apply_rotary, linear
 from tests.helpers import tiny_config, write_model
 
 AVX512 = pytest.mark.skipif(
@@ -99,8 +100,8 @@ def test_a_float32_model_multiplies_with_tiles(tmp_path):
     model = load_model(folder).model
     attention = next(m for m in model.modules() if isinstance(m, Attention))
     mlp = next(m for m in model.modules() if isinstance(m, MLP))
-    assert isinstance(attention.qkv.keywords["weight"], TiledWeight) and attention.q_proj.packed is None
-    assert isinstance(mlp.gate_up.keywords["weight"], TiledWeight) and isinstance(mlp.down_proj.packed, TiledWeight)
+    assert isinstance(attention.qkv.weight, TiledWeight) and attention.q_proj.packed is None
+    assert isinstance(mlp.gate_up.weight, TiledWeight) and isinstance(mlp.down_proj.packed, TiledWeight)
     assert isinstance(model.lm_head.packed, TiledWeight)
     wide = load_model(folder, dtype=torch.float64).model
     ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
@@ -287,3 +288,56 @@ def test_heads_wider_than_the_attention_kernel_take_sdpa(tmp_path):
     ids = torch.randint(0, cfg.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
     got, want = (m(ids, 0, m.new_cache(8)) for m in (model, wide))
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+def op_by_op(monkeypatch, run):
+    """`run()` with every layer computed op by op (no one-call kernel layers)."""
+    with monkeypatch.context() as patch:
+        patch.setattr(Transformer, "_kernel_layers", lambda *args: None)
+        return run()
+
+
+@AVX512
+@pytest.mark.parametrize("overrides", [
+    dict(attention_bias=True),  # Qwen2: q/k/v biases
+    dict(model_type="qwen3", qk_norm=True, attention_bias=False),  # per-head q/k RMSNorm
+    dict(hidden_size=200, num_attention_heads=2, num_key_value_heads=2, head_dim=100),  # heads of 6.25 vectors
+    dict(block_size=8, mask_token_id=95),  # a block-diffusion drafter's passes
+])
+def test_one_call_layers_compute_the_bits_of_the_op_by_op_layers(tmp_path, monkeypatch, overrides):
+    """docs/design.md, "One call per layer": logits and every cached K/V bit-equal to the layers'
+    op-by-op forward, for a prompt, a verification, one token, two rows, and scratch passes
+    that read K/V written past them."""
+    cfg = tiny_config(vocab_size=120, intermediate_size=96, **overrides)
+    model = load_model(write_model(tmp_path / "m", cfg, seed=2)).model
+    block = cfg.block_size
+    ids = torch.randint(0, 120, (2, 60), generator=torch.Generator().manual_seed(5))
+
+    def forwards():
+        cache = model.new_cache(72, batch=2)
+        out = [model(ids[:, :40], 0, cache, block_size=block), model(ids[:, 40:45], 40, cache),
+               model(ids[:, 45:46], 45, cache),
+               model(ids[:, 46:50], 46, cache, commit=False, context_end=block and 56, block_size=block),
+               model(ids[:, 50:53], 50 if block else 46, cache, commit=False, context_end=block and 56,
+                     block_size=block)]
+        return out + cache.keys + cache.values
+
+    assert model._kernel_layers(1, model.new_cache(8), 1, None) is not None
+    with torch.inference_mode():
+        fused, reference_ = forwards(), op_by_op(monkeypatch, forwards)
+    assert all(torch.equal(a, b) for a, b in zip(fused, reference_, strict=True))
+
+
+@AVX512
+def test_layers_run_op_by_op_past_max_rows_with_int8_weights_and_while_a_weight_trains(tmp_path):
+    folder = write_model(tmp_path / "m", tiny_config(), seed=0)
+    int8 = load_drafter(folder, torch.float32, int8=True).model
+    assert all(layer.kernel_weights() is None for layer in int8.model.layers)
+    assert int8(torch.tensor([[3, 4]]), 0, int8.new_cache(4)).shape == (1, 2, 96)
+    model = load_model(folder).model
+    cache = model.new_cache(8)
+    assert model._kernel_layers(MAX_ROWS, cache, 1, None) is not None
+    assert model._kernel_layers(MAX_ROWS + 1, cache, 1, None) is None
+    model.model.layers[1].post_attention_layernorm.weight.requires_grad_(True)
+    assert model.model.layers[0].kernel_weights() is not None and model.model.layers[1].kernel_weights() is None
+    assert model._kernel_layers(1, cache, 1, None) is None

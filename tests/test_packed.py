@@ -126,7 +126,7 @@ def test_a_float32_model_is_packed_and_computes_what_the_unpacked_one_does():
     for (name, want), got in zip(plain.state_dict().items(), packed.state_dict().values()):
         assert torch.equal(got, want), name
     attention = next(m for m in packed.modules() if isinstance(m, Attention))
-    fused = laid_out(attention.qkv.keywords["weight"]).untyped_storage().data_ptr()
+    fused = laid_out(attention.qkv.weight).untyped_storage().data_ptr()
     assert attention.q_proj.weight.untyped_storage().data_ptr() == fused
     assert attention.v_proj.weight.untyped_storage().data_ptr() == fused
     assert packed.model.layers[0].mlp.down_proj.weight.stride() == (1, cfg.hidden_size)

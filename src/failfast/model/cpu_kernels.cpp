@@ -82,6 +82,22 @@ void product(const float* x, int64_t M, int64_t K, const W* tiles, int64_t N, fl
 // rms_norm: y = w * (x / sqrt(mean(x^2) + eps)) over the last dimension of x; the sum of
 // squares in 16 lanes, then the lanes in a fixed order. One call instead of PyTorch's eight
 // dispatched ops (about 1.5 us against 15-45 us for a 384-wide row).
+// One row: y = w * (x * (1 / sqrt(mean(x^2) + eps))); y may be x.
+inline void rms_norm_row(const float* xr, const float* w, float* yr, int64_t n, float eps) {
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 xi = _mm512_maskz_loadu_ps(first_lanes(n - i), xr + i);
+    squares = _mm512_fmadd_ps(xi, xi, squares);
+  }
+  const float scale = 1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(n) + eps);
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 lanes = first_lanes(n - i);
+    const __m512 h = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, xr + i), s);
+    _mm512_mask_storeu_ps(yr + i, lanes, _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, w + i), h));
+  }
+}
+
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat && x.device().is_cpu(),
               "x must be contiguous float32 on the CPU");
@@ -89,24 +105,33 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == torch::kFloat && weight.numel() == n,
               "weight must be a contiguous float32 vector of x's last dimension");
   auto y = torch::empty_like(x);
-  const float* w = weight.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x.data_ptr<float>() + r * n;
-    float* yr = y.data_ptr<float>() + r * n;
-    __m512 squares = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 16) {
-      const __m512 xi = _mm512_maskz_loadu_ps(first_lanes(n - i), xr + i);
-      squares = _mm512_fmadd_ps(xi, xi, squares);
-    }
-    const float scale = 1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(n) + static_cast<float>(eps));
-    const __m512 s = _mm512_set1_ps(scale);
-    for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 lanes = first_lanes(n - i);
-      const __m512 h = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, xr + i), s);
-      _mm512_mask_storeu_ps(yr + i, lanes, _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, w + i), h));
-    }
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    rms_norm_row(x.data_ptr<float>() + r * n, weight.data_ptr<float>(), y.data_ptr<float>() + r * n, n,
+                 static_cast<float>(eps));
   return y;
+}
+
+void check_tiles(const torch::Tensor& tiles, int64_t K, int64_t N, const char* name) {
+  TORCH_CHECK(tiles.dim() == 3 && tiles.is_contiguous() && tiles.size(0) == (N + kTile - 1) / kTile &&
+                  tiles.size(1) == K && tiles.size(2) == kTile &&
+                  (tiles.scalar_type() == torch::kHalf || tiles.scalar_type() == torch::kFloat),
+              name, " must be float16 or float32 tiles [ceil(out / 64), in, 64], contiguous");
+}
+
+// y [M, N] = x [M, K] times tiles (checked by check_tiles), plus bias (or null).
+void tiled_product(const float* x, int64_t M, int64_t K, const torch::Tensor& tiles, int64_t N, float* y,
+                   const float* bias) {
+  if (tiles.scalar_type() == torch::kHalf)
+    product(x, M, K, tiles.data_ptr<at::Half>(), N, y, bias);
+  else
+    product(x, M, K, tiles.data_ptr<float>(), N, y, bias);
+}
+
+const float* optional_floats(const c10::optional<torch::Tensor>& t, int64_t n, const char* name) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->is_contiguous() && t->scalar_type() == torch::kFloat && t->numel() == n,
+              name, " must be a contiguous float32 vector of ", n);
+  return t->data_ptr<float>();
 }
 
 torch::Tensor tiled_linear(const torch::Tensor& x, const torch::Tensor& tiles, int64_t out_features,
@@ -114,19 +139,9 @@ torch::Tensor tiled_linear(const torch::Tensor& x, const torch::Tensor& tiles, i
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat && x.device().is_cpu(),
               "x must be a contiguous float32 CPU matrix");
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  TORCH_CHECK(tiles.dim() == 3 && tiles.is_contiguous() && tiles.size(0) == (N + kTile - 1) / kTile &&
-                  tiles.size(1) == K && tiles.size(2) == kTile,
-              "tiles must be [ceil(out / 64), in, 64] and contiguous");
-  TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->scalar_type() == torch::kFloat && bias->numel() == N),
-              "bias must be a contiguous float32 vector of out_features");
+  check_tiles(tiles, K, N, "tiles");
   auto y = torch::empty({M, N}, x.options());
-  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  if (tiles.scalar_type() == torch::kHalf) {
-    product(x.data_ptr<float>(), M, K, tiles.data_ptr<at::Half>(), N, y.data_ptr<float>(), b);
-  } else {
-    TORCH_CHECK(tiles.scalar_type() == torch::kFloat, "tiles must be float16 or float32");
-    product(x.data_ptr<float>(), M, K, tiles.data_ptr<float>(), N, y.data_ptr<float>(), b);
-  }
+  tiled_product(x.data_ptr<float>(), M, K, tiles, N, y.data_ptr<float>(), optional_floats(bias, N, "bias"));
   return y;
 }
 
@@ -154,6 +169,16 @@ inline __m512 exp16(__m512 x) {
 // product); out [rows, n] contiguous. PyTorch's SiLU takes a vectorised exp for most elements
 // and a scalar one for a chunk's leftovers, and where chunks end depends on the row count and
 // the thread split; here every element takes the same path.
+inline void swiglu_row(const float* g, const float* u, float* o, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 lanes = first_lanes(n - i);
+    const __m512 gi = _mm512_maskz_loadu_ps(lanes, g + i);
+    const __m512 silu = _mm512_div_ps(gi, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gi))));
+    _mm512_mask_storeu_ps(o + i, lanes, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(lanes, u + i)));
+  }
+}
+
 torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up) {
   TORCH_CHECK(gate.dim() == 2 && up.sizes() == gate.sizes() && gate.stride(1) == 1 && up.stride(1) == 1 &&
                   gate.scalar_type() == torch::kFloat && up.scalar_type() == torch::kFloat && gate.device().is_cpu() &&
@@ -161,18 +186,9 @@ torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up) {
               "gate and up must be float32 CPU matrices of one shape with contiguous rows");
   const int64_t rows = gate.size(0), n = gate.size(1);
   auto out = torch::empty({rows, n}, gate.options());
-  const __m512 one = _mm512_set1_ps(1.0f);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* g = gate.data_ptr<float>() + r * gate.stride(0);
-    const float* u = up.data_ptr<float>() + r * up.stride(0);
-    float* o = out.data_ptr<float>() + r * n;
-    for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 lanes = first_lanes(n - i);
-      const __m512 gi = _mm512_maskz_loadu_ps(lanes, g + i);
-      const __m512 silu = _mm512_div_ps(gi, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gi))));
-      _mm512_mask_storeu_ps(o + i, lanes, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(lanes, u + i)));
-    }
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    swiglu_row(gate.data_ptr<float>() + r * gate.stride(0), up.data_ptr<float>() + r * up.stride(0),
+               out.data_ptr<float>() + r * n, n);
   return out;
 }
 
@@ -346,6 +362,104 @@ torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const tor
   return out;
 }
 
+void check_vector(const torch::Tensor& t, int64_t n, const char* name) {
+  TORCH_CHECK(t.is_contiguous() && t.scalar_type() == torch::kFloat && t.numel() == n, name,
+              " must be a contiguous float32 vector of ", n);
+}
+
+// decoder_layer: one Qwen2/Qwen3 decoder layer of float32 inference over a KV cache in one call:
+// what model/transformer.py's `DecoderLayer.forward` computes with the kernels above, the same
+// kernels in the same order (so the same bits), without its ~25 dispatched ops. x [B, T, E]
+// holds every row's tokens at positions start .. start+T-1; their keys (normed for Qwen3,
+// rotated) and values are written into the layer's cache [B, G, capacity, D] there; a query at
+// position p attends to the cached keys j < p + 1 (causal: block_size 0) or j < min(read_end,
+// (p / block_size + 1) * block_size) (block diffusion, reading scratch K/V up to read_end).
+torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& input_norm, const torch::Tensor& qkv_tiles,
+                            const c10::optional<torch::Tensor>& qkv_bias, const c10::optional<torch::Tensor>& q_norm,
+                            const c10::optional<torch::Tensor>& k_norm, const torch::Tensor& o_tiles,
+                            const torch::Tensor& post_norm, const torch::Tensor& gate_up_tiles,
+                            const torch::Tensor& down_tiles, double eps, const torch::Tensor& cos,
+                            const torch::Tensor& signed_sin, const torch::Tensor& cache_k, const torch::Tensor& cache_v,
+                            int64_t start, int64_t read_end, int64_t block_size, int64_t heads, double scale) {
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.scalar_type() == torch::kFloat && x.device().is_cpu(),
+              "x must be contiguous float32 [B, T, hidden] on the CPU");
+  const int64_t B = x.size(0), T = x.size(1), E = x.size(2), M = B * T;
+  for (const auto* c : {&cache_k, &cache_v})
+    TORCH_CHECK(c->dim() == 4 && c->scalar_type() == torch::kFloat && c->device().is_cpu() && c->stride(3) == 1 &&
+                    c->sizes() == cache_k.sizes() && c->size(0) == B,
+                "caches must be float32 [B, kv_heads, capacity, head_dim] with a contiguous last dimension");
+  const int64_t G = cache_k.size(1), D = cache_k.size(3), H = heads, half = D / 2;
+  TORCH_CHECK(G > 0 && H > 0 && H % G == 0 && D > 0 && D <= 128 && D % 2 == 0,
+              "decoder_layer: heads must be a multiple of the cache's kv heads, head_dim even and at most 128");
+  TORCH_CHECK(start >= 0 && start + T <= read_end && read_end <= cache_k.size(2) && block_size >= 0,
+              "decoder_layer: positions outside the cache");
+  const int64_t QKV = (H + 2 * G) * D, I = down_tiles.size(1);
+  check_tiles(qkv_tiles, E, QKV, "qkv_tiles");
+  check_tiles(o_tiles, H * D, E, "o_tiles");
+  check_tiles(gate_up_tiles, E, 2 * I, "gate_up_tiles");
+  check_tiles(down_tiles, I, E, "down_tiles");
+  check_vector(input_norm, E, "input_norm");
+  check_vector(post_norm, E, "post_norm");
+  const float* bias = optional_floats(qkv_bias, QKV, "qkv_bias");
+  const float* qn = optional_floats(q_norm, D, "q_norm");
+  const float* kn = optional_floats(k_norm, D, "k_norm");
+  for (const auto* table : {&cos, &signed_sin})
+    TORCH_CHECK(table->is_contiguous() && table->scalar_type() == torch::kFloat && table->dim() == 2 &&
+                    table->size(0) == T && table->size(1) == D,
+                "cos and signed_sin must be contiguous float32 [T, head_dim]");
+  const float e = static_cast<float>(eps);
+  const float* xp = x.data_ptr<float>();
+  auto out = torch::empty_like(x);
+  float* yp = out.data_ptr<float>();
+  std::vector<float> h(M * E), qkv(M * QKV), q(M * H * D), attn(M * H * D), gate_up(M * 2 * I), act(M * I);
+
+  for (int64_t r = 0; r < M; ++r) rms_norm_row(xp + r * E, input_norm.data_ptr<float>(), h.data() + r * E, E, e);
+  tiled_product(h.data(), M, E, qkv_tiles, QKV, qkv.data(), bias);
+  float* kp = cache_k.data_ptr<float>();
+  float* vp = cache_v.data_ptr<float>();
+  const int64_t k0 = cache_k.stride(0), k1 = cache_k.stride(1), k2 = cache_k.stride(2);
+  const int64_t v0 = cache_v.stride(0), v1 = cache_v.stride(1), v2 = cache_v.stride(2);
+  for (int64_t r = 0; r < M; ++r) {  // normed (Qwen3), rotated queries; keys and values into the cache
+    const int64_t b = r / T, t = r % T;
+    const float* c = cos.data_ptr<float>() + t * D;
+    const float* sn = signed_sin.data_ptr<float>() + t * D;
+    float* row = qkv.data() + r * QKV;
+    for (int64_t i = 0; i < H + G; ++i) {
+      float* head = row + i * D;
+      const bool is_query = i < H;
+      if (const float* norm = is_query ? qn : kn) rms_norm_row(head, norm, head, D, e);
+      float* dst = is_query ? q.data() + (r * H + i) * D : kp + b * k0 + (i - H) * k1 + (start + t) * k2;
+      rotate_half(head, head + half, c, sn, dst, half);
+      rotate_half(head + half, head, c + half, sn + half, dst + half, half);
+    }
+    for (int64_t g = 0; g < G; ++g)
+      std::copy_n(row + (H + G + g) * D, D, vp + b * v0 + g * v1 + (start + t) * v2);
+  }
+  const int64_t per_group = H / G;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(read_end * D, 1));
+  at::parallel_for(0, B * H * T, grain, [&](int64_t first, int64_t end) {
+    std::vector<float> scores(read_end + 16);
+    for (int64_t item = first; item < end; ++item) {
+      const int64_t b = item / (H * T), hh = item / T % H, t = item % T, g = hh / per_group, p = start + t;
+      const int64_t keys = block_size ? std::min(read_end, (p / block_size + 1) * block_size) : p + 1;
+      const int64_t r = b * T + t;
+      kAttendQuery[(D + 15) / 16 - 1](q.data() + (r * H + hh) * D, kp + b * k0 + g * k1, k2, vp + b * v0 + g * v1, v2,
+                                      keys, D, nullptr, 0, static_cast<float>(scale), scores.data(),
+                                      attn.data() + (r * H + hh) * D);
+    }
+  });
+  tiled_product(attn.data(), M, H * D, o_tiles, E, yp, nullptr);
+  for (int64_t i = 0; i < M * E; ++i) yp[i] = xp[i] + yp[i];  // the residual: y holds x after attention
+  for (int64_t r = 0; r < M; ++r) rms_norm_row(yp + r * E, post_norm.data_ptr<float>(), h.data() + r * E, E, e);
+  tiled_product(h.data(), M, E, gate_up_tiles, 2 * I, gate_up.data(), nullptr);
+  for (int64_t r = 0; r < M; ++r)
+    swiglu_row(gate_up.data() + r * 2 * I, gate_up.data() + r * 2 * I + I, act.data() + r * I, I);
+  std::vector<float> down(M * E);
+  tiled_product(act.data(), M, I, down_tiles, E, down.data(), nullptr);
+  for (int64_t i = 0; i < M * E; ++i) yp[i] += down[i];
+  return out;
+}
+
 }  // namespace
 
 // The kernels touch no Python object: other Python threads (a server's) run meanwhile.
@@ -355,5 +469,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, release(), "RMSNorm of contiguous float32 x over its last dimension");
   m.def("rotary", &rotary, release(), "RoPE of float32 x [B, H, T, D] with tables [T, D] (rotate-half layout)");
   m.def("swiglu", &swiglu, release(), "silu(gate) * up of float32 [rows, n] matrices");
+  m.def("decoder_layer", &decoder_layer, release(),
+        "a float32 Qwen2/Qwen3 decoder layer over a KV cache (DecoderLayer.forward in one call)");
   m.def("attend", &attend, release(), "attention of float32 q [B, H, T, D] to k, v [B, G, S, D] under a boolean mask [B, T, S]");
 }

@@ -20,14 +20,13 @@ column-major weight serves products over more rows (prefill).
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from failfast.model.tiled import TiledWeight, tile
-from failfast.model.transformer import Linear, fuse_projections, linear, side_by_side
+from failfast.model.transformer import Linear, Product, fuse_projections, side_by_side
 
 
 def packs_for_onednn(weight: Tensor) -> bool:
@@ -100,4 +99,4 @@ def _packed_product(layers: Sequence[nn.Module]) -> Callable[[Tensor], Tensor] |
         for layer, rows in zip(layers, laid_out.split([layer.weight.shape[0] for layer in layers])):
             layer.weight.data = rows
             layer.pack(None)  # the fused product serves the layer (its own tiles would be a second copy)
-    return partial(linear, weight=fused, bias=bias)
+    return Product(fused, bias)

@@ -9,7 +9,8 @@ causal (a query at q sees keys k <= q) and block diffusion (q sees k iff q//B >=
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,7 @@ from failfast.model.config import ModelConfig
 from failfast.model.kv_cache import KVCache
 from failfast.model.ragged import Ragged
 from failfast.model.shapes import key_bucket
-from failfast.model.tiled import TiledWeight
+from failfast.model.tiled import MAX_ROWS, TiledWeight
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 WIDE_DTYPES = (torch.float32, torch.float64)
@@ -86,9 +87,14 @@ class Linear(nn.Linear):
     def pack(self, packed: Tensor | TiledWeight | None) -> None:
         self.packed, self.packed_from = packed, version(self)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def fresh_packed(self) -> Tensor | TiledWeight | None:
+        """The packed copy, unless there is none, the weight trains or it changed since."""
         fresh = self.packed is not None and not trains(self) and version(self) == self.packed_from
-        return linear(x, self.packed if fresh else self.weight, self.bias)
+        return self.packed if fresh else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        packed = self.fresh_packed()
+        return linear(x, self.weight if packed is None else packed, self.bias)
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's hook behind .to() and the like
         """A packed copy left in another dtype or on another device by a conversion is dropped."""
@@ -96,6 +102,18 @@ class Linear(nn.Linear):
         if self.packed is not None and dtype_and_device(self.packed) != dtype_and_device(self.weight):
             self.packed = None
         return self
+
+
+@dataclass(frozen=True, eq=False)
+class Product:
+    """A fused product (`fuse_projections`): x times a packed weight (the layers' weights side
+    by side), plus their biases."""
+
+    weight: Tensor | TiledWeight
+    bias: Tensor | None = None
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 def dtype_and_device(t: Tensor | None) -> tuple[torch.dtype, torch.device] | None:
@@ -387,6 +405,39 @@ class MLP(FusesProjections):
         return self.down_proj(F.silu(gate) * up)
 
 
+class LayerKernelWeights(NamedTuple):
+    """A decoder layer's weights as `cpu_kernels.decoder_layer` takes them."""
+
+    input_norm: Tensor
+    qkv_tiles: Tensor
+    qkv_bias: Tensor | None
+    q_norm: Tensor | None
+    k_norm: Tensor | None
+    o_tiles: Tensor
+    post_norm: Tensor
+    gate_up_tiles: Tensor
+    down_tiles: Tensor
+    eps: float
+
+
+class KernelLayers(NamedTuple):
+    """What a forward's layers pass to `cpu_kernels.decoder_layer` besides their weights: the
+    key range they read and the attention pattern (block_size 0: causal)."""
+
+    weights: list[LayerKernelWeights]
+    read_end: int
+    block_size: int
+    heads: int
+    scale: float
+
+    def run(self, layer: int, x: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache, start: int) -> Tensor:
+        w = self.weights[layer]
+        return cpu_kernels.kernels().decoder_layer(  # type: ignore[union-attr]
+            x.contiguous(), w.input_norm, w.qkv_tiles, w.qkv_bias, w.q_norm, w.k_norm, w.o_tiles, w.post_norm,
+            w.gate_up_tiles, w.down_tiles, w.eps, rope[0], rope[1], cache.keys[layer], cache.values[layer], start,
+            self.read_end, self.block_size, self.heads, self.scale)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -399,6 +450,26 @@ class DecoderLayer(nn.Module):
                 cache: KVCache | None, layer: int, start: int | Ragged, context_end: int | None) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, layer, start, context_end)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def kernel_weights(self) -> LayerKernelWeights | None:
+        """The layer's tiled float32 weights for the one-call kernel (docs/design.md, "One call
+        per layer"), or None where it runs op by op: its products are not all tiled (no
+        kernels, another dtype, int8), a weight trains, or one changed since it was tiled."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv, gate_up = attn.fused(), mlp.fused()
+        o, down = (layer.fresh_packed() if isinstance(layer, Linear) else None for layer in (attn.o_proj, mlp.down_proj))
+        if not (isinstance(qkv, Product) and isinstance(qkv.weight, TiledWeight) and isinstance(gate_up, Product)
+                and isinstance(gate_up.weight, TiledWeight) and gate_up.bias is None
+                and isinstance(o, TiledWeight) and isinstance(down, TiledWeight)
+                and attn.o_proj.bias is None and mlp.down_proj.bias is None):
+            return None
+        norms = [self.input_layernorm, self.post_attention_layernorm,
+                 getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
+        if any(n is not None and (n.weight.dtype != torch.float32 or n.weight.requires_grad) for n in norms):
+            return None
+        return LayerKernelWeights(
+            self.input_layernorm.weight, qkv.weight.tiles, qkv.bias, *(n and n.weight for n in norms[2:]),
+            o.tiles, self.post_attention_layernorm.weight, gate_up.weight.tiles, down.tiles, self.input_layernorm.eps)
 
 
 class Backbone(nn.Module):
@@ -436,14 +507,18 @@ class Transformer(nn.Module):
 
     def _hidden(self, tokens: Tensor, positions: Tensor, mask: Tensor | None,
                 cache: KVCache | None, start: int | Ragged, context_end: int | None = None,
-                taps: Sequence[int] = ()) -> tuple[Tensor, Tensor | None]:
+                taps: Sequence[int] = (), kernel_layers: "KernelLayers | None" = None) -> tuple[Tensor, Tensor | None]:
         """Final (normed) hidden states, and the outputs of layers `taps` concatenated on the
-        last dimension in layer order (None without taps): what a target-conditioned drafter reads."""
+        last dimension in layer order (None without taps): what a target-conditioned drafter reads.
+        With `kernel_layers` each layer is one kernel call (`_kernel_layers`; mask unused)."""
         x = self.model.embed_tokens(tokens)
         rope = self.rotary(positions, x.dtype)
         tapped = []
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, mask, cache, i, start, context_end)
+            if kernel_layers is None:
+                x = layer(x, rope, mask, cache, i, start, context_end)
+            else:
+                x = kernel_layers.run(i, x, rope, cache, start)  # type: ignore[arg-type]
             if i in taps:
                 tapped.append(x)
         return self.model.norm(x), torch.cat(tapped, dim=-1) if tapped else None
@@ -475,14 +550,31 @@ class Transformer(nn.Module):
         if end > cache.capacity:
             raise ValueError(f"positions up to {end} exceed the cache capacity {cache.capacity}")
         positions = torch.arange(start, start + t, device=tokens.device)
+        kernel_layers = self._kernel_layers(tokens.numel(), cache, end, block_size)
         mask = None
-        if t > 1 or block_size is not None or end > start + t:
+        if kernel_layers is None and (t > 1 or block_size is not None or end > start + t):
             mask = attention_mask(positions, torch.arange(end, device=tokens.device), block_size)
-        hidden, features = self._hidden(tokens, positions, mask, cache, start, context_end, taps)
+        hidden, features = self._hidden(tokens, positions, mask, cache, start, context_end, taps, kernel_layers)
         logits = self._head(hidden if logits_at is None else hidden[:, logits_at], head_weight)
         if commit:
             cache.length = start + t
         return logits if features is None else (logits, features)
+
+    def _kernel_layers(self, rows: int, cache: KVCache, read_end: int,
+                       block_size: int | None) -> "KernelLayers | None":
+        """One kernel call per layer for a forward of `rows` tokens over `cache` (docs/design.md,
+        "One call per layer"), or None where the layers run op by op: not float32 inference with
+        the CPU kernels, more than MAX_ROWS rows (MKL's product is faster there) or heads wider
+        than the attention kernel's 128."""
+        c = self.config
+        if rows > MAX_ROWS or c.head_dim > 128 or cache.keys[0].dtype != torch.float32:
+            return None
+        weights = []
+        for layer in self.model.layers:
+            if (w := layer.kernel_weights()) is None:
+                return None
+            weights.append(w)
+        return KernelLayers(weights, read_end, block_size or 0, c.num_attention_heads, c.head_dim ** -0.5)
 
     def _head(self, hidden: Tensor, head_weight: Tensor | None) -> Tensor:
         return self.lm_head(hidden) if head_weight is None else linear(hidden, head_weight)
