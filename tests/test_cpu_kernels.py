@@ -274,8 +274,9 @@ def test_a_packed_model_whose_weights_change_in_place_stops_using_its_copies(tmp
     cfg = tiny_config(tie_word_embeddings=True, attention_bias=True)
     model = load_model(write_model(tmp_path / "a", cfg, seed=0)).model
     other = load_model(write_model(tmp_path / "b", cfg, seed=1), dtype=torch.float64).model
-    model.load_state_dict({k: v.float() for k, v in other.state_dict().items()})
     ids = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    model(ids, 0, model.new_cache(16))  # the one-call layers' weights are read (and kept) here
+    model.load_state_dict({k: v.float() for k, v in other.state_dict().items()})
     got, want = (m(ids, 0, m.new_cache(16)) for m in (model, other))
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
 
@@ -322,7 +323,37 @@ def test_one_call_layers_compute_the_bits_of_the_op_by_op_layers(tmp_path, monke
                      block_size=block)]
         return out + cache.keys + cache.values
 
-    assert model._kernel_layers(1, model.new_cache(8), 1, None) is not None
+    assert model._kernel_layers(1, model.new_cache(8)) is not None
+    with torch.inference_mode():
+        fused, reference_ = forwards(), op_by_op(monkeypatch, forwards)
+    assert all(torch.equal(a, b) for a, b in zip(fused, reference_, strict=True))
+
+
+@AVX512
+@pytest.mark.parametrize("block", [None, 8])
+def test_packed_one_call_layers_compute_the_bits_of_the_op_by_op_layers(tmp_path, monkeypatch, block):
+    """A ragged forward of three cache rows of a four-row cache (a batch's verification, with
+    bucketed filler tokens in the last row; or a block drafter's scratch passes reading up to
+    each row's context end): logits and every cached K/V as op by op."""
+    cfg = tiny_config(vocab_size=120, intermediate_size=96, model_type="qwen3", qk_norm=True,
+                      **({} if block is None else dict(block_size=block, mask_token_id=95)))
+    model = load_model(write_model(tmp_path / "m", cfg, seed=4)).model
+    ids = torch.randint(0, 120, (3, 40), generator=torch.Generator().manual_seed(6))
+
+    def forwards():
+        cache = model.new_cache(48, batch=4)
+        for row, length in enumerate((16, 24, 8)):
+            model(ids[row:row + 1, :length], 0, cache.row(row), block_size=block)
+        rows = [(0, 16, ids[0, 16:21]), (2, 8, ids[2, 8:9]), (1, 24, ids[1, 24:31])]
+        if block is None:
+            ragged = Ragged.pack(*zip(*[(r, s, t.tolist()) for r, s, t in rows]), model.device, padding_row=3,
+                                 capacity=48)
+            out = model.forward_ragged(ragged, cache)
+        else:
+            ragged = Ragged.pack(*zip(*[(r, s, t.tolist()) for r, s, t in rows]), model.device)
+            out = model.forward_ragged(ragged, cache, block_size=block, context_ends=[22, 12, 31])
+        return [out, *cache.keys, *cache.values]
+
     with torch.inference_mode():
         fused, reference_ = forwards(), op_by_op(monkeypatch, forwards)
     assert all(torch.equal(a, b) for a, b in zip(fused, reference_, strict=True))
@@ -336,8 +367,8 @@ def test_layers_run_op_by_op_past_max_rows_with_int8_weights_and_while_a_weight_
     assert int8(torch.tensor([[3, 4]]), 0, int8.new_cache(4)).shape == (1, 2, 96)
     model = load_model(folder).model
     cache = model.new_cache(8)
-    assert model._kernel_layers(MAX_ROWS, cache, 1, None) is not None
-    assert model._kernel_layers(MAX_ROWS + 1, cache, 1, None) is None
+    assert model._kernel_layers(MAX_ROWS, cache) is not None
+    assert model._kernel_layers(MAX_ROWS + 1, cache) is None
     model.model.layers[1].post_attention_layernorm.weight.requires_grad_(True)
     assert model.model.layers[0].kernel_weights() is not None and model.model.layers[1].kernel_weights() is None
-    assert model._kernel_layers(1, cache, 1, None) is None
+    assert model._kernel_layers(1, cache) is None

@@ -367,32 +367,41 @@ void check_vector(const torch::Tensor& t, int64_t n, const char* name) {
               " must be a contiguous float32 vector of ", n);
 }
 
-// decoder_layer: one Qwen2/Qwen3 decoder layer of float32 inference over a KV cache in one call:
-// what model/transformer.py's `DecoderLayer.forward` computes with the kernels above, the same
-// kernels in the same order (so the same bits), without its ~25 dispatched ops. x [B, T, E]
-// holds every row's tokens at positions start .. start+T-1; their keys (normed for Qwen3,
-// rotated) and values are written into the layer's cache [B, G, capacity, D] there; a query at
-// position p attends to the cached keys j < p + 1 (causal: block_size 0) or j < min(read_end,
-// (p / block_size + 1) * block_size) (block diffusion, reading scratch K/V up to read_end).
-torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& input_norm, const torch::Tensor& qkv_tiles,
-                            const c10::optional<torch::Tensor>& qkv_bias, const c10::optional<torch::Tensor>& q_norm,
-                            const c10::optional<torch::Tensor>& k_norm, const torch::Tensor& o_tiles,
-                            const torch::Tensor& post_norm, const torch::Tensor& gate_up_tiles,
-                            const torch::Tensor& down_tiles, double eps, const torch::Tensor& cos,
-                            const torch::Tensor& signed_sin, const torch::Tensor& cache_k, const torch::Tensor& cache_v,
-                            int64_t start, int64_t read_end, int64_t block_size, int64_t heads, double scale) {
-  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.scalar_type() == torch::kFloat && x.device().is_cpu(),
-              "x must be contiguous float32 [B, T, hidden] on the CPU");
-  const int64_t B = x.size(0), T = x.size(1), E = x.size(2), M = B * T;
+// Where each token of a decoder_layer call sits: its cache row, its position, the end of the
+// keys it attends to (keys 0 .. end-1 of its cache row) and its row of the RoPE tables.
+struct Places {
+  std::vector<int64_t> row, pos, keys, rope;
+};
+
+// One Qwen2/Qwen3 decoder layer of float32 inference over a KV cache in one call: what
+// model/transformer.py's `DecoderLayer.forward` computes with the kernels above, the same
+// kernels in the same order (so the same bits), without its ~25 dispatched ops. x holds M
+// tokens (rows of E); each token's key (normed for Qwen3, rotated) and value are written into
+// the layer's cache [rows, G, capacity, D] at its row and position, and its query attends to
+// its row's keys 0 .. keys-1, which the attention kernel reads as a key range instead of a mask:
+// masked keys were skipped anyway, so the bits are the same.
+torch::Tensor layer(const torch::Tensor& x, const Places& at, const torch::Tensor& input_norm,
+                    const torch::Tensor& qkv_tiles, const c10::optional<torch::Tensor>& qkv_bias,
+                    const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm,
+                    const torch::Tensor& o_tiles, const torch::Tensor& post_norm, const torch::Tensor& gate_up_tiles,
+                    const torch::Tensor& down_tiles, double eps, const torch::Tensor& cos,
+                    const torch::Tensor& signed_sin, const torch::Tensor& cache_k, const torch::Tensor& cache_v,
+                    int64_t heads, double scale) {
+  const int64_t E = x.size(-1), M = static_cast<int64_t>(at.row.size());
   for (const auto* c : {&cache_k, &cache_v})
     TORCH_CHECK(c->dim() == 4 && c->scalar_type() == torch::kFloat && c->device().is_cpu() && c->stride(3) == 1 &&
-                    c->sizes() == cache_k.sizes() && c->size(0) == B,
-                "caches must be float32 [B, kv_heads, capacity, head_dim] with a contiguous last dimension");
+                    c->sizes() == cache_k.sizes(),
+                "caches must be float32 [rows, kv_heads, capacity, head_dim] with a contiguous last dimension");
   const int64_t G = cache_k.size(1), D = cache_k.size(3), H = heads, half = D / 2;
   TORCH_CHECK(G > 0 && H > 0 && H % G == 0 && D > 0 && D <= 128 && D % 2 == 0,
               "decoder_layer: heads must be a multiple of the cache's kv heads, head_dim even and at most 128");
-  TORCH_CHECK(start >= 0 && start + T <= read_end && read_end <= cache_k.size(2) && block_size >= 0,
-              "decoder_layer: positions outside the cache");
+  int64_t widest = 0;
+  for (int64_t r = 0; r < M; ++r) {
+    TORCH_CHECK(at.row[r] >= 0 && at.row[r] < cache_k.size(0) && at.pos[r] >= 0 && at.pos[r] < at.keys[r] &&
+                    at.keys[r] <= cache_k.size(2) && at.rope[r] >= 0 && at.rope[r] < cos.size(0),
+                "decoder_layer: a token's cache row, position, keys or RoPE row is out of range");
+    widest = std::max(widest, at.keys[r]);
+  }
   const int64_t QKV = (H + 2 * G) * D, I = down_tiles.size(1);
   check_tiles(qkv_tiles, E, QKV, "qkv_tiles");
   check_tiles(o_tiles, H * D, E, "o_tiles");
@@ -405,13 +414,14 @@ torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& input_n
   const float* kn = optional_floats(k_norm, D, "k_norm");
   for (const auto* table : {&cos, &signed_sin})
     TORCH_CHECK(table->is_contiguous() && table->scalar_type() == torch::kFloat && table->dim() == 2 &&
-                    table->size(0) == T && table->size(1) == D,
-                "cos and signed_sin must be contiguous float32 [T, head_dim]");
+                    table->size(1) == D && table->size(0) == cos.size(0),
+                "cos and signed_sin must be contiguous float32 [positions, head_dim]");
   const float e = static_cast<float>(eps);
   const float* xp = x.data_ptr<float>();
   auto out = torch::empty_like(x);
   float* yp = out.data_ptr<float>();
-  std::vector<float> h(M * E), qkv(M * QKV), q(M * H * D), attn(M * H * D), gate_up(M * 2 * I), act(M * I);
+  std::vector<float> h(M * E), qkv(M * QKV), q(M * H * D), attn(M * H * D), gate_up(M * 2 * I), act(M * I),
+      down(M * E);
 
   for (int64_t r = 0; r < M; ++r) rms_norm_row(xp + r * E, input_norm.data_ptr<float>(), h.data() + r * E, E, e);
   tiled_product(h.data(), M, E, qkv_tiles, QKV, qkv.data(), bias);
@@ -420,32 +430,29 @@ torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& input_n
   const int64_t k0 = cache_k.stride(0), k1 = cache_k.stride(1), k2 = cache_k.stride(2);
   const int64_t v0 = cache_v.stride(0), v1 = cache_v.stride(1), v2 = cache_v.stride(2);
   for (int64_t r = 0; r < M; ++r) {  // normed (Qwen3), rotated queries; keys and values into the cache
-    const int64_t b = r / T, t = r % T;
-    const float* c = cos.data_ptr<float>() + t * D;
-    const float* sn = signed_sin.data_ptr<float>() + t * D;
+    const float* c = cos.data_ptr<float>() + at.rope[r] * D;
+    const float* sn = signed_sin.data_ptr<float>() + at.rope[r] * D;
     float* row = qkv.data() + r * QKV;
     for (int64_t i = 0; i < H + G; ++i) {
       float* head = row + i * D;
       const bool is_query = i < H;
       if (const float* norm = is_query ? qn : kn) rms_norm_row(head, norm, head, D, e);
-      float* dst = is_query ? q.data() + (r * H + i) * D : kp + b * k0 + (i - H) * k1 + (start + t) * k2;
+      float* dst = is_query ? q.data() + (r * H + i) * D : kp + at.row[r] * k0 + (i - H) * k1 + at.pos[r] * k2;
       rotate_half(head, head + half, c, sn, dst, half);
       rotate_half(head + half, head, c + half, sn + half, dst + half, half);
     }
     for (int64_t g = 0; g < G; ++g)
-      std::copy_n(row + (H + G + g) * D, D, vp + b * v0 + g * v1 + (start + t) * v2);
+      std::copy_n(row + (H + G + g) * D, D, vp + at.row[r] * v0 + g * v1 + at.pos[r] * v2);
   }
   const int64_t per_group = H / G;
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(read_end * D, 1));
-  at::parallel_for(0, B * H * T, grain, [&](int64_t first, int64_t end) {
-    std::vector<float> scores(read_end + 16);
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(widest * D, 1));
+  at::parallel_for(0, M * H, grain, [&](int64_t first, int64_t end) {
+    std::vector<float> scores(widest + 16);
     for (int64_t item = first; item < end; ++item) {
-      const int64_t b = item / (H * T), hh = item / T % H, t = item % T, g = hh / per_group, p = start + t;
-      const int64_t keys = block_size ? std::min(read_end, (p / block_size + 1) * block_size) : p + 1;
-      const int64_t r = b * T + t;
-      kAttendQuery[(D + 15) / 16 - 1](q.data() + (r * H + hh) * D, kp + b * k0 + g * k1, k2, vp + b * v0 + g * v1, v2,
-                                      keys, D, nullptr, 0, static_cast<float>(scale), scores.data(),
-                                      attn.data() + (r * H + hh) * D);
+      const int64_t r = item / H, hh = item % H, g = hh / per_group;
+      kAttendQuery[(D + 15) / 16 - 1](q.data() + item * D, kp + at.row[r] * k0 + g * k1, k2,
+                                      vp + at.row[r] * v0 + g * v1, v2, at.keys[r], D, nullptr, 0,
+                                      static_cast<float>(scale), scores.data(), attn.data() + item * D);
     }
   });
   tiled_product(attn.data(), M, H * D, o_tiles, E, yp, nullptr);
@@ -454,10 +461,65 @@ torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& input_n
   tiled_product(h.data(), M, E, gate_up_tiles, 2 * I, gate_up.data(), nullptr);
   for (int64_t r = 0; r < M; ++r)
     swiglu_row(gate_up.data() + r * 2 * I, gate_up.data() + r * 2 * I + I, act.data() + r * I, I);
-  std::vector<float> down(M * E);
   tiled_product(act.data(), M, I, down_tiles, E, down.data(), nullptr);
   for (int64_t i = 0; i < M * E; ++i) yp[i] += down[i];
   return out;
+}
+
+void check_input(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.scalar_type() == torch::kFloat && x.device().is_cpu(),
+              "x must be contiguous float32 [rows, tokens, hidden] on the CPU");
+}
+
+// decoder_layer: x [B, T, E], the tokens at positions start .. start+T-1 of cache rows 0 .. B-1
+// (every row of the cache); a query at position p attends to keys 0 .. p (causal: block_size
+// 0) or up to the end of its block, at most read_end (block diffusion, reading scratch K/V an
+// earlier pass wrote past its tokens). RoPE tables [T, D].
+torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& input_norm, const torch::Tensor& qkv_tiles,
+                            const c10::optional<torch::Tensor>& qkv_bias, const c10::optional<torch::Tensor>& q_norm,
+                            const c10::optional<torch::Tensor>& k_norm, const torch::Tensor& o_tiles,
+                            const torch::Tensor& post_norm, const torch::Tensor& gate_up_tiles,
+                            const torch::Tensor& down_tiles, double eps, const torch::Tensor& cos,
+                            const torch::Tensor& signed_sin, const torch::Tensor& cache_k, const torch::Tensor& cache_v,
+                            int64_t start, int64_t read_end, int64_t block_size, int64_t heads, double scale) {
+  check_input(x);
+  const int64_t B = x.size(0), T = x.size(1);
+  TORCH_CHECK(cache_k.dim() == 4 && cache_k.size(0) == B && block_size >= 0 && start + T <= read_end,
+              "decoder_layer: the cache must have x's rows, and read_end cover the tokens");
+  Places at;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t p = start + t;
+      at.row.push_back(b);
+      at.pos.push_back(p);
+      at.keys.push_back(block_size ? std::min(read_end, (p / block_size + 1) * block_size) : p + 1);
+      at.rope.push_back(t);
+    }
+  return layer(x, at, input_norm, qkv_tiles, qkv_bias, q_norm, k_norm, o_tiles, post_norm, gate_up_tiles, down_tiles,
+               eps, cos, signed_sin, cache_k, cache_v, heads, scale);
+}
+
+// packed_decoder_layer: x [1, N, E], tokens of several cache rows packed one row after another
+// (model/ragged.py); places [3, N] int64: each token's cache row, position and key end. RoPE
+// tables [N, D], one row per token.
+torch::Tensor packed_decoder_layer(const torch::Tensor& x, const torch::Tensor& input_norm, const torch::Tensor& qkv_tiles,
+                                   const c10::optional<torch::Tensor>& qkv_bias,
+                                   const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm,
+                                   const torch::Tensor& o_tiles, const torch::Tensor& post_norm,
+                                   const torch::Tensor& gate_up_tiles, const torch::Tensor& down_tiles, double eps,
+                                   const torch::Tensor& cos, const torch::Tensor& signed_sin,
+                                   const torch::Tensor& cache_k, const torch::Tensor& cache_v,
+                                   const torch::Tensor& places, int64_t heads, double scale) {
+  check_input(x);
+  const int64_t N = x.size(1);
+  TORCH_CHECK(x.size(0) == 1 && places.dim() == 2 && places.size(0) == 3 && places.size(1) == N &&
+                  places.scalar_type() == torch::kLong && places.is_contiguous() && places.device().is_cpu(),
+              "packed_decoder_layer: x must be [1, N, hidden] and places contiguous int64 [3, N]");
+  const int64_t* p = places.data_ptr<int64_t>();
+  Places at{{p, p + N}, {p + N, p + 2 * N}, {p + 2 * N, p + 3 * N}, {}};
+  for (int64_t r = 0; r < N; ++r) at.rope.push_back(r);
+  return layer(x, at, input_norm, qkv_tiles, qkv_bias, q_norm, k_norm, o_tiles, post_norm, gate_up_tiles, down_tiles,
+               eps, cos, signed_sin, cache_k, cache_v, heads, scale);
 }
 
 }  // namespace
@@ -471,5 +533,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu", &swiglu, release(), "silu(gate) * up of float32 [rows, n] matrices");
   m.def("decoder_layer", &decoder_layer, release(),
         "a float32 Qwen2/Qwen3 decoder layer over a KV cache (DecoderLayer.forward in one call)");
+  m.def("packed_decoder_layer", &packed_decoder_layer, release(),
+        "decoder_layer for the packed tokens of several cache rows (a ragged forward)");
   m.def("attend", &attend, release(), "attention of float32 q [B, H, T, D] to k, v [B, G, S, D] under a boolean mask [B, T, S]");
 }

@@ -10,6 +10,7 @@ causal (a query at q sees keys k <= q) and block diffusion (q sees k iff q//B >=
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -76,6 +77,17 @@ def version(*modules: nn.Module) -> int | None:
         return None
 
 
+class PackedCopies:
+    """How many times packed copies or fused products were set or dropped, anywhere: a cached
+    view of a model's packed weights (`Transformer._kernel_layers`) is stale once it moves."""
+
+    generation = 0
+
+    @classmethod
+    def changed(cls) -> None:
+        cls.generation += 1
+
+
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters and names) whose 16-bit rows do not depend on the batch.
     `packed`: the weight prepacked for CPU inference (`model/packed.py`, set by `pack`), or
@@ -86,6 +98,7 @@ class Linear(nn.Linear):
 
     def pack(self, packed: Tensor | TiledWeight | None) -> None:
         self.packed, self.packed_from = packed, version(self)
+        PackedCopies.changed()
 
     def fresh_packed(self) -> Tensor | TiledWeight | None:
         """The packed copy, unless there is none, the weight trains or it changed since."""
@@ -101,6 +114,7 @@ class Linear(nn.Linear):
         super()._apply(fn, recurse)
         if self.packed is not None and dtype_and_device(self.packed) != dtype_and_device(self.weight):
             self.packed = None
+        PackedCopies.changed()
         return self
 
 
@@ -132,6 +146,7 @@ class FusesProjections(nn.Module):
     def set_fused(self, product: Callable[[Tensor], Tensor]) -> None:
         setattr(self, self.fused_attr, product)
         self.fused_from = version(*self.layers_fused())
+        PackedCopies.changed()
 
     def layers_fused(self) -> list[nn.Module]:
         return [getattr(self, name) for name in self.fused_layers]
@@ -151,6 +166,7 @@ class FusesProjections(nn.Module):
         super()._apply(fn, recurse)
         if self._float_layout() != before:
             setattr(self, self.fused_attr, None)
+        PackedCopies.changed()
         return self
 
     def _float_layout(self) -> tuple[torch.dtype, torch.device] | None:
@@ -421,21 +437,65 @@ class LayerKernelWeights(NamedTuple):
 
 
 class KernelLayers(NamedTuple):
-    """What a forward's layers pass to `cpu_kernels.decoder_layer` besides their weights: the
-    key range they read and the attention pattern (block_size 0: causal)."""
+    """What a forward's layers pass to the one-call kernel besides their weights: which keys a
+    query reads and the attention pattern. A forward of every cache row at `start` gives
+    `read_end` and `block_size` (0: causal); a packed forward of several rows (`Ragged`)
+    gives `places` [3, N]: each token's cache row, position and key end."""
 
     weights: list[LayerKernelWeights]
-    read_end: int
-    block_size: int
     heads: int
     scale: float
+    read_end: int = 0
+    block_size: int = 0
+    places: Tensor | None = None
 
-    def run(self, layer: int, x: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache, start: int) -> Tensor:
+    def run(self, layer: int, x: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache, start: int | Ragged) -> Tensor:
         w = self.weights[layer]
-        return cpu_kernels.kernels().decoder_layer(  # type: ignore[union-attr]
-            x.contiguous(), w.input_norm, w.qkv_tiles, w.qkv_bias, w.q_norm, w.k_norm, w.o_tiles, w.post_norm,
-            w.gate_up_tiles, w.down_tiles, w.eps, rope[0], rope[1], cache.keys[layer], cache.values[layer], start,
-            self.read_end, self.block_size, self.heads, self.scale)
+        kernels = cpu_kernels.kernels()
+        weights = (x.contiguous(), w.input_norm, w.qkv_tiles, w.qkv_bias, w.q_norm, w.k_norm, w.o_tiles, w.post_norm,
+                   w.gate_up_tiles, w.down_tiles, w.eps, rope[0], rope[1], cache.keys[layer], cache.values[layer])
+        if self.places is not None:
+            return kernels.packed_decoder_layer(*weights, self.places, self.heads, self.scale)  # type: ignore[union-attr]
+        return kernels.decoder_layer(*weights, start, self.read_end, self.block_size, self.heads,  # type: ignore[union-attr]
+                                     self.scale)
+
+
+_VERSION, _TRAINS = attrgetter("_version"), attrgetter("requires_grad")
+
+
+@dataclass(frozen=True, eq=False)
+class KernelPlan:
+    """A model's `LayerKernelWeights` (None: a layer runs op by op) and the state they were read
+    in: the packing generation, and its parameters' summed in-place change counters and
+    whether any takes gradients (None where they have no counters: read again every time)."""
+
+    weights: list[LayerKernelWeights] | None
+    tensors: list[Tensor]
+    state: tuple | None
+
+    @staticmethod
+    def of(model: "Transformer") -> "KernelPlan":
+        weights = [layer.kernel_weights() for layer in model.model.layers]
+        plan = KernelPlan(None if None in weights else weights, list(model.parameters()), None)  # type: ignore[arg-type]
+        return KernelPlan(plan.weights, plan.tensors, plan.now())
+
+    def now(self) -> tuple | None:
+        try:
+            return (PackedCopies.generation, sum(map(_VERSION, self.tensors)), any(map(_TRAINS, self.tensors)))
+        except RuntimeError:  # inference tensors keep no version counter
+            return None
+
+
+def key_ends(ragged: Ragged, block_size: int | None, read_end: int, context_ends: list[int] | None) -> Tensor:
+    """Where each packed token's keys end (`attention_mask`'s keys as a range): after its own
+    position (causal), or at the end of its block, the forward's read end and its row's context end."""
+    positions = ragged.positions[0]
+    if block_size is None:
+        return positions + 1
+    ends = ((positions // block_size + 1) * block_size).clamp(max=read_end)
+    if context_ends is not None:
+        ends = torch.minimum(ends, torch.tensor(context_ends, device=ends.device)[ragged.row_of])
+    return ends
 
 
 class DecoderLayer(nn.Module):
@@ -482,6 +542,8 @@ class Backbone(nn.Module):
 
 class Transformer(nn.Module):
     """Decoder-only LM; `forward` serves inference over a cache, `hidden_masked` training."""
+
+    _kernel_plan: "KernelPlan | None" = None  # `_kernel_layers`
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -550,7 +612,10 @@ class Transformer(nn.Module):
         if end > cache.capacity:
             raise ValueError(f"positions up to {end} exceed the cache capacity {cache.capacity}")
         positions = torch.arange(start, start + t, device=tokens.device)
-        kernel_layers = self._kernel_layers(tokens.numel(), cache, end, block_size)
+        kernel_layers = None
+        if (weights := self._kernel_layers(tokens.numel(), cache)) is not None:
+            kernel_layers = KernelLayers(weights, self.config.num_attention_heads, self.config.head_dim ** -0.5,
+                                         end, block_size or 0)
         mask = None
         if kernel_layers is None and (t > 1 or block_size is not None or end > start + t):
             mask = attention_mask(positions, torch.arange(end, device=tokens.device), block_size)
@@ -560,21 +625,19 @@ class Transformer(nn.Module):
             cache.length = start + t
         return logits if features is None else (logits, features)
 
-    def _kernel_layers(self, rows: int, cache: KVCache, read_end: int,
-                       block_size: int | None) -> "KernelLayers | None":
-        """One kernel call per layer for a forward of `rows` tokens over `cache` (docs/design.md,
-        "One call per layer"), or None where the layers run op by op: not float32 inference with
-        the CPU kernels, more than MAX_ROWS rows (MKL's product is faster there) or heads wider
-        than the attention kernel's 128."""
-        c = self.config
-        if rows > MAX_ROWS or c.head_dim > 128 or cache.keys[0].dtype != torch.float32:
+    def _kernel_layers(self, rows: int, cache: KVCache) -> list[LayerKernelWeights] | None:
+        """Every layer's weights for one kernel call per layer in a forward of `rows` tokens over
+        `cache` (docs/design.md, "One call per layer"), or None where the layers run op by op:
+        not float32 inference with the CPU kernels, more than MAX_ROWS rows (MKL's product is
+        faster there) or heads wider than the attention kernel's 128. Gathering the weights
+        checks ~60 modules (~0.5 ms), so they are kept until a packed copy anywhere is set or
+        dropped, or a parameter changes in place or starts to train (~10 us to check)."""
+        if rows > MAX_ROWS or self.config.head_dim > 128 or cache.keys[0].dtype != torch.float32:
             return None
-        weights = []
-        for layer in self.model.layers:
-            if (w := layer.kernel_weights()) is None:
-                return None
-            weights.append(w)
-        return KernelLayers(weights, read_end, block_size or 0, c.num_attention_heads, c.head_dim ** -0.5)
+        plan = self._kernel_plan
+        if plan is None or plan.state is None or plan.state != plan.now():
+            plan = self._kernel_plan = KernelPlan.of(self)
+        return plan.weights
 
     def _head(self, hidden: Tensor, head_weight: Tensor | None) -> Tensor:
         return self.lm_head(hidden) if head_weight is None else linear(hidden, head_weight)
@@ -600,12 +663,20 @@ class Transformer(nn.Module):
             if block_size is not None:
                 raise ValueError("padded ragged forwards are causal: filler K/V in a block would be read")
             read_end = key_bucket(read_end, cache.capacity)
-        keys = torch.arange(read_end, device=device)
-        allowed = attention_mask(ragged.padded_positions(), keys, block_size)
-        if context_ends is not None:
-            allowed &= keys < torch.tensor(context_ends, device=device)[:, None, None]
-        hidden, features = self._hidden(ragged.tokens, ragged.positions[0], allowed[:, None], cache, ragged, read_end,
-                                        taps)
+        allowed = kernel_layers = None
+        if (weights := self._kernel_layers(ragged.tokens.numel(), cache)) is not None:
+            places = torch.stack([ragged.cache_row_of, ragged.positions[0], key_ends(ragged, block_size, read_end,
+                                                                                      context_ends)])
+            kernel_layers = KernelLayers(weights, self.config.num_attention_heads, self.config.head_dim ** -0.5,
+                                         places=places)
+        else:
+            keys = torch.arange(read_end, device=device)
+            allowed = attention_mask(ragged.padded_positions(), keys, block_size)
+            if context_ends is not None:
+                allowed &= keys < torch.tensor(context_ends, device=device)[:, None, None]
+            allowed = allowed[:, None]
+        hidden, features = self._hidden(ragged.tokens, ragged.positions[0], allowed, cache, ragged, read_end,
+                                        taps, kernel_layers)
         logits = self._head(hidden[0] if logits_at is None else hidden[0, logits_at], head_weight)
         return logits if features is None else (logits, features[0])
 
