@@ -66,3 +66,18 @@ def test_linear_matches_flattened_rows_bits(dtype: torch.dtype, laid_out: bool) 
     for x in (hidden, hidden[:, -3:], hidden[:1, -1:], hidden.transpose(0, 1)):
         flat = F.linear(x.reshape(-1, 64), weight, bias).view(*x.shape[:-1], 96)
         assert torch.equal(linear(x, weight, bias), flat)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_kept_rope_tables_give_the_bits_of_the_per_forward_tables(dtype: torch.dtype) -> None:
+    """`Rotary.rows` (what inference forwards read) against `Rotary.forward` (what they built
+    before), for a verification's positions, one position, a packed forward's scattered
+    positions, and positions past the first table (it grows)."""
+    rotary = Rotary(64, 10000.0)
+    for positions in (torch.arange(295, 300), torch.arange(7, 8), torch.tensor([3, 4, 40, 41, 42, 9]),
+                      torch.arange(600, 700)):
+        kept = rotary.rows(positions, dtype)
+        assert all(torch.equal(a, b) for a, b in zip(kept, rotary(positions, dtype), strict=True))
+        start, stop = int(positions[0]), int(positions[0]) + positions.numel()
+        if torch.equal(positions, torch.arange(start, stop)):
+            assert all(torch.equal(a, b) for a, b in zip(rotary.rows(slice(start, stop), dtype), kept, strict=True))
