@@ -502,14 +502,18 @@ class KernelPlan:
     @staticmethod
     def of(model: "Transformer") -> "KernelPlan":
         weights = [layer.kernel_weights() for layer in model.model.layers]
-        plan = KernelPlan(None if None in weights else weights, list(model.parameters()), None)  # type: ignore[arg-type]
-        return KernelPlan(plan.weights, plan.tensors, plan.now())
+        tensors = list(model.parameters())
+        return KernelPlan(None if None in weights else weights, tensors, KernelPlan.state_of(tensors))  # type: ignore[arg-type]
 
-    def now(self) -> tuple | None:
+    @staticmethod
+    def state_of(tensors: list[Tensor]) -> tuple | None:
         try:
-            return (PackedCopies.generation, sum(map(_VERSION, self.tensors)), any(map(_TRAINS, self.tensors)))
+            return PackedCopies.generation, sum(map(_VERSION, tensors)), any(map(_TRAINS, tensors))
         except RuntimeError:  # inference tensors keep no version counter
             return None
+
+    def stale(self) -> bool:
+        return self.state is None or self.state != KernelPlan.state_of(self.tensors)
 
 
 def key_ends(ragged: Ragged, block_size: int | None, read_end: int, context_ends: list[int] | None) -> Tensor:
@@ -663,7 +667,7 @@ class Transformer(nn.Module):
         if rows > MAX_ROWS or self.config.head_dim > 128 or cache.keys[0].dtype != torch.float32:
             return None
         plan = self._kernel_plan
-        if plan is None or plan.state is None or plan.state != plan.now():
+        if plan is None or plan.stale():
             plan = self._kernel_plan = KernelPlan.of(self)
         return plan.weights
 
