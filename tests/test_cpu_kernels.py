@@ -19,7 +19,8 @@ from failfast.model.packed import pack_weight
 from failfast.model.ragged import Ragged
 from failfast.model.tiled import MAX_ROWS, TiledWeight, tile
 from failfast.model.transformer import MLP, Attention, Linear, RMSNorm, Rotary, Transformer, apply_rotary, linear
-from tests.helpers import tiny_config, write_model
+from failfast.model.eagle3 import Eagle3Model
+from tests.helpers import tiny_config, tiny_eagle3_config, write_model
 
 AVX512 = pytest.mark.skipif(
     torch.backends.cpu.get_cpu_capability() != "AVX512" or not cpu_kernels.toolchain()
@@ -372,3 +373,32 @@ def test_layers_run_op_by_op_past_max_rows_with_int8_weights_and_while_a_weight_
     model.model.layers[1].post_attention_layernorm.weight.requires_grad_(True)
     assert model.model.layers[0].kernel_weights() is not None and model.model.layers[1].kernel_weights() is None
     assert model._kernel_layers(1, cache) is None
+
+
+@AVX512
+def test_an_eagle3_step_in_one_call_computes_the_op_by_op_step(tmp_path, monkeypatch):
+    """Three rows at different positions of a drafter cache: outputs and written K/V as the
+    op-by-op step's up to float32 rounding (its attention is SDPA there, the kernel here)."""
+    target_cfg = tiny_config(vocab_size=120, intermediate_size=96)
+    target = load_model(write_model(tmp_path / "t", target_cfg, seed=0)).model
+    drafter = load_model(write_model(tmp_path / "e", tiny_eagle3_config(target_cfg), seed=1)).model
+    drafter.attach(target.model.embed_tokens, target.lm_head)
+    assert drafter.midlayer.kernel_weights() is not None
+    gen = torch.Generator().manual_seed(3)
+    context = torch.randn(3, 8, target_cfg.hidden_size, generator=gen)
+    tokens, hidden = torch.randint(0, 120, (3, 9), generator=gen), torch.randn(3, 1, target_cfg.hidden_size, generator=gen)
+
+    def step():
+        cache = drafter.new_cache(16, batch=3)
+        for row, length in enumerate((5, 3, 7)):
+            drafter.write_context(tokens[row:row + 1, :length], context[row:row + 1, :length], 0, cache.row(row))
+        out = drafter.step_rows(tokens[[0, 2, 1], 8:9], hidden, [0, 2, 1], [5, 7, 3], cache)
+        return [out, *cache.keys, *cache.values]
+
+    with torch.inference_mode():
+        fused = step()
+        with monkeypatch.context() as patch:
+            patch.setattr(Eagle3Model, "_kernel_weights", lambda *args: None)
+            reference_ = step()
+    for a, b in zip(fused, reference_, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -386,8 +386,14 @@ torch::Tensor layer(const torch::Tensor& x, const Places& at, const torch::Tenso
                     const torch::Tensor& o_tiles, const torch::Tensor& post_norm, const torch::Tensor& gate_up_tiles,
                     const torch::Tensor& down_tiles, double eps, const torch::Tensor& cos,
                     const torch::Tensor& signed_sin, const torch::Tensor& cache_k, const torch::Tensor& cache_v,
-                    int64_t heads, double scale) {
+                    int64_t heads, double scale, const c10::optional<torch::Tensor>& embedded,
+                    const c10::optional<torch::Tensor>& embedded_norm) {
   const int64_t E = x.size(-1), M = static_cast<int64_t>(at.row.size());
+  const int64_t IN = embedded.has_value() ? 2 * E : E;  // what q/k/v read: [normed embedded, normed x] or normed x
+  if (embedded.has_value())
+    TORCH_CHECK(embedded->sizes() == x.sizes() && embedded->is_contiguous() && embedded->scalar_type() == torch::kFloat &&
+                    embedded_norm.has_value(),
+                "embedded must be contiguous float32 of x's shape, with its norm");
   for (const auto* c : {&cache_k, &cache_v})
     TORCH_CHECK(c->dim() == 4 && c->scalar_type() == torch::kFloat && c->device().is_cpu() && c->stride(3) == 1 &&
                     c->sizes() == cache_k.sizes(),
@@ -403,7 +409,7 @@ torch::Tensor layer(const torch::Tensor& x, const Places& at, const torch::Tenso
     widest = std::max(widest, at.keys[r]);
   }
   const int64_t QKV = (H + 2 * G) * D, I = down_tiles.size(1);
-  check_tiles(qkv_tiles, E, QKV, "qkv_tiles");
+  check_tiles(qkv_tiles, IN, QKV, "qkv_tiles");
   check_tiles(o_tiles, H * D, E, "o_tiles");
   check_tiles(gate_up_tiles, E, 2 * I, "gate_up_tiles");
   check_tiles(down_tiles, I, E, "down_tiles");
@@ -412,6 +418,7 @@ torch::Tensor layer(const torch::Tensor& x, const Places& at, const torch::Tenso
   const float* bias = optional_floats(qkv_bias, QKV, "qkv_bias");
   const float* qn = optional_floats(q_norm, D, "q_norm");
   const float* kn = optional_floats(k_norm, D, "k_norm");
+  const float* en = optional_floats(embedded_norm, E, "embedded_norm");
   for (const auto* table : {&cos, &signed_sin})
     TORCH_CHECK(table->is_contiguous() && table->scalar_type() == torch::kFloat && table->dim() == 2 &&
                     table->size(1) == D && table->size(0) == cos.size(0),
@@ -420,11 +427,15 @@ torch::Tensor layer(const torch::Tensor& x, const Places& at, const torch::Tenso
   const float* xp = x.data_ptr<float>();
   auto out = torch::empty_like(x);
   float* yp = out.data_ptr<float>();
-  std::vector<float> h(M * E), qkv(M * QKV), q(M * H * D), attn(M * H * D), gate_up(M * 2 * I), act(M * I),
+  std::vector<float> h(M * IN), qkv(M * QKV), q(M * H * D), attn(M * H * D), gate_up(M * 2 * I), act(M * I),
       down(M * E);
 
-  for (int64_t r = 0; r < M; ++r) rms_norm_row(xp + r * E, input_norm.data_ptr<float>(), h.data() + r * E, E, e);
-  tiled_product(h.data(), M, E, qkv_tiles, QKV, qkv.data(), bias);
+  for (int64_t r = 0; r < M; ++r) {
+    float* hr = h.data() + r * IN;
+    if (en) rms_norm_row(embedded->data_ptr<float>() + r * E, en, hr, E, e);
+    rms_norm_row(xp + r * E, input_norm.data_ptr<float>(), hr + IN - E, E, e);
+  }
+  tiled_product(h.data(), M, IN, qkv_tiles, QKV, qkv.data(), bias);
   float* kp = cache_k.data_ptr<float>();
   float* vp = cache_v.data_ptr<float>();
   const int64_t k0 = cache_k.stride(0), k1 = cache_k.stride(1), k2 = cache_k.stride(2);
@@ -496,12 +507,13 @@ torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& input_n
       at.rope.push_back(t);
     }
   return layer(x, at, input_norm, qkv_tiles, qkv_bias, q_norm, k_norm, o_tiles, post_norm, gate_up_tiles, down_tiles,
-               eps, cos, signed_sin, cache_k, cache_v, heads, scale);
+               eps, cos, signed_sin, cache_k, cache_v, heads, scale, c10::nullopt, c10::nullopt);
 }
 
 // packed_decoder_layer: x [1, N, E], tokens of several cache rows packed one row after another
 // (model/ragged.py); places [3, N] int64: each token's cache row, position and key end. RoPE
-// tables [N, D], one row per token.
+// tables [N, D], one row per token. With `embedded` (x's shape) and its norm, q/k/v read
+// [normed embedded, normed x] (an EAGLE-3 layer, model/eagle3.py); x stays the residual.
 torch::Tensor packed_decoder_layer(const torch::Tensor& x, const torch::Tensor& input_norm, const torch::Tensor& qkv_tiles,
                                    const c10::optional<torch::Tensor>& qkv_bias,
                                    const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm,
@@ -509,7 +521,9 @@ torch::Tensor packed_decoder_layer(const torch::Tensor& x, const torch::Tensor& 
                                    const torch::Tensor& gate_up_tiles, const torch::Tensor& down_tiles, double eps,
                                    const torch::Tensor& cos, const torch::Tensor& signed_sin,
                                    const torch::Tensor& cache_k, const torch::Tensor& cache_v,
-                                   const torch::Tensor& places, int64_t heads, double scale) {
+                                   const torch::Tensor& places, int64_t heads, double scale,
+                                   const c10::optional<torch::Tensor>& embedded,
+                                   const c10::optional<torch::Tensor>& embedded_norm) {
   check_input(x);
   const int64_t N = x.size(1);
   TORCH_CHECK(x.size(0) == 1 && places.dim() == 2 && places.size(0) == 3 && places.size(1) == N &&
@@ -519,7 +533,7 @@ torch::Tensor packed_decoder_layer(const torch::Tensor& x, const torch::Tensor& 
   Places at{{p, p + N}, {p + N, p + 2 * N}, {p + 2 * N, p + 3 * N}, {}};
   for (int64_t r = 0; r < N; ++r) at.rope.push_back(r);
   return layer(x, at, input_norm, qkv_tiles, qkv_bias, q_norm, k_norm, o_tiles, post_norm, gate_up_tiles, down_tiles,
-               eps, cos, signed_sin, cache_k, cache_v, heads, scale);
+               eps, cos, signed_sin, cache_k, cache_v, heads, scale, embedded, embedded_norm);
 }
 
 }  // namespace
@@ -534,6 +548,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layer", &decoder_layer, release(),
         "a float32 Qwen2/Qwen3 decoder layer over a KV cache (DecoderLayer.forward in one call)");
   m.def("packed_decoder_layer", &packed_decoder_layer, release(),
-        "decoder_layer for the packed tokens of several cache rows (a ragged forward)");
+        "decoder_layer for the packed tokens of several cache rows (a ragged forward; an EAGLE-3 step)",
+        py::arg("x"), py::arg("input_norm"), py::arg("qkv_tiles"), py::arg("qkv_bias"), py::arg("q_norm"),
+        py::arg("k_norm"), py::arg("o_tiles"), py::arg("post_norm"), py::arg("gate_up_tiles"), py::arg("down_tiles"),
+        py::arg("eps"), py::arg("cos"), py::arg("signed_sin"), py::arg("cache_k"), py::arg("cache_v"),
+        py::arg("places"), py::arg("heads"), py::arg("scale"), py::arg("embedded") = py::none(),
+        py::arg("embedded_norm") = py::none());
   m.def("attend", &attend, release(), "attention of float32 q [B, H, T, D] to k, v [B, G, S, D] under a boolean mask [B, T, S]");
 }

@@ -21,7 +21,10 @@ from failfast.errors import IncompatibleModelsError
 from failfast.model.borrowed import BorrowsTargetParts
 from failfast.model.config import ModelConfig
 from failfast.model.kv_cache import KVCache
-from failfast.model.transformer import MLP, Attention, Linear, RMSNorm, Rotary
+from failfast.model import cpu_kernels
+from failfast.model.tiled import MAX_ROWS
+from failfast.model.transformer import (MLP, Attention, LayerKernelWeights, Linear, RMSNorm, Rotary, kept_kernel_weights,
+                                        kernel_layer_args, layer_kernel_weights)
 
 
 class Eagle3Layer(nn.Module):
@@ -42,6 +45,14 @@ class Eagle3Layer(nn.Module):
         """The layer's output from its residual input and attention output [B, T, heads*dim]."""
         x = hidden + self.self_attn.o_proj(attended)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def kernel_weights(self) -> LayerKernelWeights | None:
+        """The weights for the one-call kernel (docs/design.md, "One call per layer"): the
+        hidden norm is its input norm, the embedding's norm comes beside it."""
+        w, embed_norm = layer_kernel_weights(self, self.hidden_norm), self.input_layernorm.weight
+        if w is None or embed_norm.dtype != torch.float32 or embed_norm.requires_grad:
+            return None
+        return w._replace(embedded_norm=embed_norm)
 
 
 class Eagle3Model(BorrowsTargetParts):
@@ -102,7 +113,10 @@ class Eagle3Model(BorrowsTargetParts):
         the next step's hidden; `logits_input` for its prediction); lengths are the caller's."""
         device = tokens.device
         attn = self.midlayer.self_attn
-        x = self.midlayer.attention_input(self.embed_tokens(tokens).to(self.dtype), hidden)
+        embedded = self.embed_tokens(tokens).to(self.dtype)
+        if (weights := self._kernel_weights(cache, len(rows))) is not None:
+            return self._kernel_step(weights, embedded, hidden, rows, starts, cache)
+        x = self.midlayer.attention_input(embedded, hidden)
         position = torch.tensor(starts, device=device)[:, None]
         q, k, v = attn.queries_keys_values(x, self._rope(position, x.dtype))
         if len(rows) == 1:  # one row: write and read its cache row in place, no gathered copy
@@ -117,6 +131,28 @@ class Eagle3Model(BorrowsTargetParts):
             out = F.scaled_dot_product_attention(q, cache.keys[0][index, :, :width], cache.values[0][index, :, :width],
                                                  attn_mask=sees, enable_gqa=attn.n_kv != attn.n_heads)
         return self.midlayer.finish(hidden, out.transpose(1, 2).reshape(len(rows), 1, -1))
+
+    def _kernel_weights(self, cache: KVCache, rows: int) -> LayerKernelWeights | None:
+        """The layer's weights for one kernel call per step (float32 inference with the CPU
+        kernels), kept like a target's (`kept_kernel_weights`), else None."""
+        if rows > MAX_ROWS or self.config.head_dim > 128 or cache.keys[0].dtype != torch.float32:
+            return None
+        weights = kept_kernel_weights(self, lambda: [self.midlayer.kernel_weights()])
+        return None if weights is None else weights[0]
+
+    def _kernel_step(self, w: LayerKernelWeights, embedded: Tensor, hidden: Tensor, rows: list[int],
+                     starts: list[int], cache: KVCache) -> Tensor:
+        """`step_rows` in one kernel call: each row's slot is a packed token at its cache row
+        and position, attending to keys up to it (the same arithmetic; the attention kernel
+        rounds unlike SDPA, which only changes what is proposed)."""
+        b, attn = len(rows), self.midlayer.self_attn
+        at = torch.tensor(starts, device=hidden.device)
+        places = torch.stack([torch.tensor(rows, device=hidden.device), at, at + 1])
+        args = kernel_layer_args(w, hidden.reshape(1, b, -1), self.rotary.rows(at, hidden.dtype), cache, 0)
+        out = cpu_kernels.kernels().packed_decoder_layer(  # type: ignore[union-attr]
+            *args, places, attn.n_heads, attn.head_dim ** -0.5, embedded=embedded.reshape(1, b, -1).contiguous(),
+            embedded_norm=w.embedded_norm)
+        return out.view(b, 1, -1)
 
     def logits_input(self, output: Tensor) -> Tensor:
         """What the target's head reads: the normed layer output."""

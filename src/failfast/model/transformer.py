@@ -460,6 +460,7 @@ class LayerKernelWeights(NamedTuple):
     gate_up_tiles: Tensor
     down_tiles: Tensor
     eps: float
+    embedded_norm: Tensor | None = None  # an EAGLE-3 layer's: q/k/v read [normed embedding, normed x]
 
 
 class KernelLayers(NamedTuple):
@@ -476,14 +477,19 @@ class KernelLayers(NamedTuple):
     places: Tensor | None = None
 
     def run(self, layer: int, x: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache, start: int | Ragged) -> Tensor:
-        w = self.weights[layer]
         kernels = cpu_kernels.kernels()
-        weights = (x.contiguous(), w.input_norm, w.qkv_tiles, w.qkv_bias, w.q_norm, w.k_norm, w.o_tiles, w.post_norm,
-                   w.gate_up_tiles, w.down_tiles, w.eps, rope[0], rope[1], cache.keys[layer], cache.values[layer])
+        args = kernel_layer_args(self.weights[layer], x, rope, cache, layer)
         if self.places is not None:
-            return kernels.packed_decoder_layer(*weights, self.places, self.heads, self.scale)  # type: ignore[union-attr]
-        return kernels.decoder_layer(*weights, start, self.read_end, self.block_size, self.heads,  # type: ignore[union-attr]
+            return kernels.packed_decoder_layer(*args, self.places, self.heads, self.scale)  # type: ignore[union-attr]
+        return kernels.decoder_layer(*args, start, self.read_end, self.block_size, self.heads,  # type: ignore[union-attr]
                                      self.scale)
+
+
+def kernel_layer_args(w: LayerKernelWeights, x: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache,
+                      layer: int) -> tuple:
+    """The arguments the one-call kernels take first: input, weights, RoPE tables, the layer's cache."""
+    return (x.contiguous(), w.input_norm, w.qkv_tiles, w.qkv_bias, w.q_norm, w.k_norm, w.o_tiles, w.post_norm,
+            w.gate_up_tiles, w.down_tiles, w.eps, rope[0], rope[1], cache.keys[layer], cache.values[layer])
 
 
 _VERSION, _TRAINS = attrgetter("_version"), attrgetter("requires_grad")
@@ -500,12 +506,6 @@ class KernelPlan:
     state: tuple | None
 
     @staticmethod
-    def of(model: "Transformer") -> "KernelPlan":
-        weights = [layer.kernel_weights() for layer in model.model.layers]
-        tensors = list(model.parameters())
-        return KernelPlan(None if None in weights else weights, tensors, KernelPlan.state_of(tensors))  # type: ignore[arg-type]
-
-    @staticmethod
     def state_of(tensors: list[Tensor]) -> tuple | None:
         try:
             return PackedCopies.generation, sum(map(_VERSION, tensors)), any(map(_TRAINS, tensors))
@@ -514,6 +514,18 @@ class KernelPlan:
 
     def stale(self) -> bool:
         return self.state is None or self.state != KernelPlan.state_of(self.tensors)
+
+
+def kept_kernel_weights(owner: nn.Module,
+                        read: Callable[[], list[LayerKernelWeights | None]]) -> list[LayerKernelWeights] | None:
+    """`read()` (every layer's kernel weights), kept on `owner` until its `KernelPlan` is stale:
+    reading them checks every module (~60 for the target, ~0.5 ms), checking the plan ~10 us."""
+    plan = owner.__dict__.get("_kernel_plan")
+    if plan is None or plan.stale():
+        weights, tensors = read(), list(owner.parameters())
+        plan = owner.__dict__["_kernel_plan"] = KernelPlan(None if None in weights else weights,  # type: ignore[arg-type]
+                                                           tensors, KernelPlan.state_of(tensors))
+    return plan.weights
 
 
 def key_ends(ragged: Ragged, block_size: int | None, read_end: int, context_ends: list[int] | None) -> Tensor:
@@ -542,24 +554,29 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def kernel_weights(self) -> LayerKernelWeights | None:
-        """The layer's tiled float32 weights for the one-call kernel (docs/design.md, "One call
-        per layer"), or None where it runs op by op: its products are not all tiled (no
-        kernels, another dtype, int8), a weight trains, or one changed since it was tiled."""
-        attn, mlp = self.self_attn, self.mlp
-        qkv, gate_up = attn.fused(), mlp.fused()
-        o, down = (layer.fresh_packed() if isinstance(layer, Linear) else None for layer in (attn.o_proj, mlp.down_proj))
-        if not (isinstance(qkv, Product) and isinstance(qkv.weight, TiledWeight) and isinstance(gate_up, Product)
-                and isinstance(gate_up.weight, TiledWeight) and gate_up.bias is None
-                and isinstance(o, TiledWeight) and isinstance(down, TiledWeight)
-                and attn.o_proj.bias is None and mlp.down_proj.bias is None):
-            return None
-        norms = [self.input_layernorm, self.post_attention_layernorm,
-                 getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
-        if any(n is not None and (n.weight.dtype != torch.float32 or n.weight.requires_grad) for n in norms):
-            return None
-        return LayerKernelWeights(
-            self.input_layernorm.weight, qkv.weight.tiles, qkv.bias, *(n and n.weight for n in norms[2:]),
-            o.tiles, self.post_attention_layernorm.weight, gate_up.weight.tiles, down.tiles, self.input_layernorm.eps)
+        """The layer's weights for the one-call kernel (`layer_kernel_weights`)."""
+        return layer_kernel_weights(self, self.input_layernorm)
+
+
+def layer_kernel_weights(layer: nn.Module, input_norm: RMSNorm) -> LayerKernelWeights | None:
+    """A decoder layer's tiled float32 weights for the one-call kernel (docs/design.md, "One
+    call per layer"), its attention input normed by `input_norm`; None where it runs op by op:
+    its products are not all tiled (no kernels, another dtype, int8), a weight trains, or one
+    changed since it was tiled."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv, gate_up = attn.fused(), mlp.fused()
+    o, down = (part.fresh_packed() if isinstance(part, Linear) else None for part in (attn.o_proj, mlp.down_proj))
+    if not (isinstance(qkv, Product) and isinstance(qkv.weight, TiledWeight) and isinstance(gate_up, Product)
+            and isinstance(gate_up.weight, TiledWeight) and gate_up.bias is None
+            and isinstance(o, TiledWeight) and isinstance(down, TiledWeight)
+            and attn.o_proj.bias is None and mlp.down_proj.bias is None):
+        return None
+    norms = [input_norm, layer.post_attention_layernorm, getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
+    if any(n is not None and (n.weight.dtype != torch.float32 or n.weight.requires_grad) for n in norms):
+        return None
+    return LayerKernelWeights(input_norm.weight, qkv.weight.tiles, qkv.bias, *(n and n.weight for n in norms[2:]),
+                              o.tiles, layer.post_attention_layernorm.weight, gate_up.weight.tiles, down.tiles,
+                              input_norm.eps)
 
 
 class Backbone(nn.Module):
@@ -572,8 +589,6 @@ class Backbone(nn.Module):
 
 class Transformer(nn.Module):
     """Decoder-only LM; `forward` serves inference over a cache, `hidden_masked` training."""
-
-    _kernel_plan: "KernelPlan | None" = None  # `_kernel_layers`
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -661,15 +676,12 @@ class Transformer(nn.Module):
         """Every layer's weights for one kernel call per layer in a forward of `rows` tokens over
         `cache` (docs/design.md, "One call per layer"), or None where the layers run op by op:
         not float32 inference with the CPU kernels, more than MAX_ROWS rows (MKL's product is
-        faster there) or heads wider than the attention kernel's 128. Gathering the weights
-        checks ~60 modules (~0.5 ms), so they are kept until a packed copy anywhere is set or
-        dropped, or a parameter changes in place or starts to train (~10 us to check)."""
+        faster there) or heads wider than the attention kernel's 128. Kept until a packed copy
+        anywhere is set or dropped, or a parameter changes in place or starts to train
+        (`kept_kernel_weights`)."""
         if rows > MAX_ROWS or self.config.head_dim > 128 or cache.keys[0].dtype != torch.float32:
             return None
-        plan = self._kernel_plan
-        if plan is None or plan.stale():
-            plan = self._kernel_plan = KernelPlan.of(self)
-        return plan.weights
+        return kept_kernel_weights(self, lambda: [layer.kernel_weights() for layer in self.model.layers])
 
     def _head(self, hidden: Tensor, head_weight: Tensor | None) -> Tensor:
         return self.lm_head(hidden) if head_weight is None else linear(hidden, head_weight)
