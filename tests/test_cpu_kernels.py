@@ -373,6 +373,30 @@ def test_layers_run_op_by_op_past_max_rows_with_int8_weights_and_while_a_weight_
     model.model.layers[1].post_attention_layernorm.weight.requires_grad_(True)
     assert model.model.layers[0].kernel_weights() is not None and model.model.layers[1].kernel_weights() is None
     assert model._kernel_layers(1, cache) is None
+    model.model.layers[1].post_attention_layernorm.weight.requires_grad_(False)
+    model.model.embed_tokens.weight.requires_grad_(True)  # the kernels have no backward: op by op
+    assert model._kernel_layers(1, cache) is None
+    assert model(torch.tensor([[3, 4]]), 0, model.new_cache(4)).requires_grad
+    with pytest.raises(RuntimeError, match="come together"):  # a checked error, not a crash
+        w = load_model(folder).model.model.layers[0].kernel_weights()
+        cpu_kernels.kernels().packed_decoder_layer(
+            torch.zeros(1, 1, 32), *w[:-1], *Rotary(8, 1e4).rows(torch.tensor([0]), torch.float32),
+            *model.new_cache(4).keys[:1], *model.new_cache(4).values[:1], torch.tensor([[0], [0], [1]]), 4, 1.0,
+            embedded_norm=w.input_norm)
+
+
+@AVX512
+def test_a_parameter_replaced_after_a_forward_is_what_the_next_forward_reads(tmp_path, monkeypatch):
+    """Kept kernel weights go stale when a module gets a new parameter object (no version moves)."""
+    model = load_model(write_model(tmp_path / "m", tiny_config(), seed=0)).model
+    ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        model(ids, 0, model.new_cache(8))
+    model.model.layers[0].input_layernorm.weight = torch.nn.Parameter(torch.full((32,), 3.0), requires_grad=False)
+    with torch.inference_mode():
+        fused, reference_ = (run() for run in (lambda: model(ids, 0, model.new_cache(8)),
+                                              lambda: op_by_op(monkeypatch, lambda: model(ids, 0, model.new_cache(8)))))
+    assert torch.equal(fused, reference_)
 
 
 @AVX512

@@ -114,8 +114,8 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 void check_tiles(const torch::Tensor& tiles, int64_t K, int64_t N, const char* name) {
   TORCH_CHECK(tiles.dim() == 3 && tiles.is_contiguous() && tiles.size(0) == (N + kTile - 1) / kTile &&
                   tiles.size(1) == K && tiles.size(2) == kTile &&
-                  (tiles.scalar_type() == torch::kHalf || tiles.scalar_type() == torch::kFloat),
-              name, " must be float16 or float32 tiles [ceil(out / 64), in, 64], contiguous");
+                  (tiles.scalar_type() == torch::kHalf || tiles.scalar_type() == torch::kFloat) && tiles.device().is_cpu(),
+              name, " must be float16 or float32 CPU tiles [ceil(out / 64), in, 64], contiguous");
 }
 
 // y [M, N] = x [M, K] times tiles (checked by check_tiles), plus bias (or null).
@@ -129,8 +129,8 @@ void tiled_product(const float* x, int64_t M, int64_t K, const torch::Tensor& ti
 
 const float* optional_floats(const c10::optional<torch::Tensor>& t, int64_t n, const char* name) {
   if (!t.has_value()) return nullptr;
-  TORCH_CHECK(t->is_contiguous() && t->scalar_type() == torch::kFloat && t->numel() == n,
-              name, " must be a contiguous float32 vector of ", n);
+  TORCH_CHECK(t->is_contiguous() && t->scalar_type() == torch::kFloat && t->numel() == n && t->device().is_cpu(),
+              name, " must be a contiguous float32 CPU vector of ", n);
   return t->data_ptr<float>();
 }
 
@@ -363,8 +363,8 @@ torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const tor
 }
 
 void check_vector(const torch::Tensor& t, int64_t n, const char* name) {
-  TORCH_CHECK(t.is_contiguous() && t.scalar_type() == torch::kFloat && t.numel() == n, name,
-              " must be a contiguous float32 vector of ", n);
+  TORCH_CHECK(t.is_contiguous() && t.scalar_type() == torch::kFloat && t.numel() == n && t.device().is_cpu(), name,
+              " must be a contiguous float32 CPU vector of ", n);
 }
 
 // Where each token of a decoder_layer call sits: its cache row, its position, the end of the
@@ -390,10 +390,11 @@ torch::Tensor layer(const torch::Tensor& x, const Places& at, const torch::Tenso
                     const c10::optional<torch::Tensor>& embedded_norm) {
   const int64_t E = x.size(-1), M = static_cast<int64_t>(at.row.size());
   const int64_t IN = embedded.has_value() ? 2 * E : E;  // what q/k/v read: [normed embedded, normed x] or normed x
+  TORCH_CHECK(embedded.has_value() == embedded_norm.has_value(), "embedded and embedded_norm come together");
   if (embedded.has_value())
     TORCH_CHECK(embedded->sizes() == x.sizes() && embedded->is_contiguous() && embedded->scalar_type() == torch::kFloat &&
-                    embedded_norm.has_value(),
-                "embedded must be contiguous float32 of x's shape, with its norm");
+                    embedded->device().is_cpu(),
+                "embedded must be contiguous float32 of x's shape on the CPU");
   for (const auto* c : {&cache_k, &cache_v})
     TORCH_CHECK(c->dim() == 4 && c->scalar_type() == torch::kFloat && c->device().is_cpu() && c->stride(3) == 1 &&
                     c->sizes() == cache_k.sizes(),
@@ -421,7 +422,7 @@ torch::Tensor layer(const torch::Tensor& x, const Places& at, const torch::Tenso
   const float* en = optional_floats(embedded_norm, E, "embedded_norm");
   for (const auto* table : {&cos, &signed_sin})
     TORCH_CHECK(table->is_contiguous() && table->scalar_type() == torch::kFloat && table->dim() == 2 &&
-                    table->size(1) == D && table->size(0) == cos.size(0),
+                    table->size(1) == D && table->size(0) == cos.size(0) && table->device().is_cpu(),
                 "cos and signed_sin must be contiguous float32 [positions, head_dim]");
   const float e = static_cast<float>(eps);
   const float* xp = x.data_ptr<float>();

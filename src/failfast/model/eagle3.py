@@ -49,10 +49,11 @@ class Eagle3Layer(nn.Module):
     def kernel_weights(self) -> LayerKernelWeights | None:
         """The weights for the one-call kernel (docs/design.md, "One call per layer"): the
         hidden norm is its input norm, the embedding's norm comes beside it."""
-        w, embed_norm = layer_kernel_weights(self, self.hidden_norm), self.input_layernorm.weight
-        if w is None or embed_norm.dtype != torch.float32 or embed_norm.requires_grad:
+        w, embed_norm = layer_kernel_weights(self, self.hidden_norm), self.input_layernorm
+        if (w is None or embed_norm.weight.dtype != torch.float32 or embed_norm.weight.requires_grad
+                or embed_norm.eps != w.eps):
             return None
-        return w._replace(embedded_norm=embed_norm)
+        return w._replace(embedded_norm=embed_norm.weight)
 
 
 class Eagle3Model(BorrowsTargetParts):
@@ -114,7 +115,8 @@ class Eagle3Model(BorrowsTargetParts):
         device = tokens.device
         attn = self.midlayer.self_attn
         embedded = self.embed_tokens(tokens).to(self.dtype)
-        if (weights := self._kernel_weights(cache, len(rows))) is not None:
+        if not (torch.is_grad_enabled() and hidden.requires_grad) and (
+                weights := self._kernel_weights(cache, len(rows))) is not None:
             return self._kernel_step(weights, embedded, hidden, rows, starts, cache)
         x = self.midlayer.attention_input(embedded, hidden)
         position = torch.tensor(starts, device=device)[:, None]

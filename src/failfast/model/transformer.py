@@ -16,6 +16,8 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules.module import (register_module_buffer_registration_hook, register_module_module_registration_hook,
+                                     register_module_parameter_registration_hook)
 
 from failfast.model import cpu_kernels
 from failfast.model.config import ModelConfig
@@ -84,8 +86,15 @@ class PackedCopies:
     generation = 0
 
     @classmethod
-    def changed(cls) -> None:
+    def changed(cls, *_: object) -> None:
         cls.generation += 1
+
+
+# A parameter, buffer or submodule assigned to any module (a replaced weight or layer, a
+# `load_state_dict(assign=True)`) changes no version counter, so it counts as a change too.
+for _register in (register_module_parameter_registration_hook, register_module_buffer_registration_hook,
+                  register_module_module_registration_hook):
+    _register(PackedCopies.changed)
 
 
 class Linear(nn.Linear):
@@ -498,8 +507,9 @@ _VERSION, _TRAINS = attrgetter("_version"), attrgetter("requires_grad")
 @dataclass(frozen=True, eq=False)
 class KernelPlan:
     """A model's `LayerKernelWeights` (None: a layer runs op by op) and the state they were read
-    in: the packing generation, and its parameters' summed in-place change counters and
-    whether any takes gradients (None where they have no counters: read again every time)."""
+    in: the packing generation (which module assignments move too), its parameters' summed
+    in-place change counters and which of them take gradients (None where they have no
+    counters: read again every time)."""
 
     weights: list[LayerKernelWeights] | None
     tensors: list[Tensor]
@@ -508,7 +518,7 @@ class KernelPlan:
     @staticmethod
     def state_of(tensors: list[Tensor]) -> tuple | None:
         try:
-            return PackedCopies.generation, sum(map(_VERSION, tensors)), any(map(_TRAINS, tensors))
+            return PackedCopies.generation, sum(map(_VERSION, tensors)), tuple(map(_TRAINS, tensors))
         except RuntimeError:  # inference tensors keep no version counter
             return None
 
@@ -519,22 +529,24 @@ class KernelPlan:
 def kept_kernel_weights(owner: nn.Module,
                         read: Callable[[], list[LayerKernelWeights | None]]) -> list[LayerKernelWeights] | None:
     """`read()` (every layer's kernel weights), kept on `owner` until its `KernelPlan` is stale:
-    reading them checks every module (~60 for the target, ~0.5 ms), checking the plan ~10 us."""
+    reading them checks every module (~60 for the target, ~0.5 ms), checking the plan ~10 us.
+    None while any of the owner's parameters takes gradients: the kernels have no backward."""
     plan = owner.__dict__.get("_kernel_plan")
     if plan is None or plan.stale():
-        weights, tensors = read(), list(owner.parameters())
-        plan = owner.__dict__["_kernel_plan"] = KernelPlan(None if None in weights else weights,  # type: ignore[arg-type]
-                                                           tensors, KernelPlan.state_of(tensors))
+        tensors = list(owner.parameters())
+        state = KernelPlan.state_of(tensors)  # before reading: a change meanwhile makes the plan stale
+        weights = None if any(t.requires_grad for t in tensors) else read()
+        plan = owner.__dict__["_kernel_plan"] = KernelPlan(
+            None if weights is None or None in weights else weights, tensors, state)  # type: ignore[arg-type]
     return plan.weights
 
 
 def key_ends(ragged: Ragged, block_size: int | None, read_end: int, context_ends: list[int] | None) -> Tensor:
     """Where each packed token's keys end (`attention_mask`'s keys as a range): after its own
-    position (causal), or at the end of its block, the forward's read end and its row's context end."""
+    position (causal) or at the end of its block and the forward's read end (block diffusion),
+    and at most at its row's context end."""
     positions = ragged.positions[0]
-    if block_size is None:
-        return positions + 1
-    ends = ((positions // block_size + 1) * block_size).clamp(max=read_end)
+    ends = positions + 1 if block_size is None else ((positions // block_size + 1) * block_size).clamp(max=read_end)
     if context_ends is not None:
         ends = torch.minimum(ends, torch.tensor(context_ends, device=ends.device)[ragged.row_of])
     return ends
@@ -572,7 +584,8 @@ def layer_kernel_weights(layer: nn.Module, input_norm: RMSNorm) -> LayerKernelWe
             and attn.o_proj.bias is None and mlp.down_proj.bias is None):
         return None
     norms = [input_norm, layer.post_attention_layernorm, getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
-    if any(n is not None and (n.weight.dtype != torch.float32 or n.weight.requires_grad) for n in norms):
+    if any(n is not None and (n.weight.dtype != torch.float32 or n.weight.requires_grad or n.eps != input_norm.eps)
+           for n in norms):  # the kernel takes one eps
         return None
     return LayerKernelWeights(input_norm.weight, qkv.weight.tiles, qkv.bias, *(n and n.weight for n in norms[2:]),
                               o.tiles, layer.post_attention_layernorm.weight, gate_up.weight.tiles, down.tiles,
