@@ -22,9 +22,8 @@ from failfast.model.borrowed import BorrowsTargetParts
 from failfast.model.config import ModelConfig
 from failfast.model.kv_cache import KVCache
 from failfast.model import cpu_kernels
-from failfast.model.tiled import MAX_ROWS
 from failfast.model.transformer import (MLP, Attention, LayerKernelWeights, Linear, RMSNorm, Rotary, kept_kernel_weights,
-                                        kernel_layer_args, layer_kernel_weights)
+                                        kernel_forward_fits, kernel_layer_args, layer_kernel_weights)
 
 
 class Eagle3Layer(nn.Module):
@@ -49,11 +48,7 @@ class Eagle3Layer(nn.Module):
     def kernel_weights(self) -> LayerKernelWeights | None:
         """The weights for the one-call kernel (docs/design.md, "One call per layer"): the
         hidden norm is its input norm, the embedding's norm comes beside it."""
-        w, embed_norm = layer_kernel_weights(self, self.hidden_norm), self.input_layernorm
-        if (w is None or embed_norm.weight.dtype != torch.float32 or embed_norm.weight.requires_grad
-                or embed_norm.eps != w.eps):
-            return None
-        return w._replace(embedded_norm=embed_norm.weight)
+        return layer_kernel_weights(self, self.hidden_norm, embedded_norm=self.input_layernorm)
 
 
 class Eagle3Model(BorrowsTargetParts):
@@ -137,7 +132,7 @@ class Eagle3Model(BorrowsTargetParts):
     def _kernel_weights(self, cache: KVCache, rows: int) -> LayerKernelWeights | None:
         """The layer's weights for one kernel call per step (float32 inference with the CPU
         kernels), kept like a target's (`kept_kernel_weights`), else None."""
-        if rows > MAX_ROWS or self.config.head_dim > 128 or cache.keys[0].dtype != torch.float32:
+        if not kernel_forward_fits(self.config, cache, rows):
             return None
         weights = kept_kernel_weights(self, lambda: [self.midlayer.kernel_weights()])
         return None if weights is None else weights[0]

@@ -570,11 +570,20 @@ class DecoderLayer(nn.Module):
         return layer_kernel_weights(self, self.input_layernorm)
 
 
-def layer_kernel_weights(layer: nn.Module, input_norm: RMSNorm) -> LayerKernelWeights | None:
+def kernel_forward_fits(config: ModelConfig, cache: KVCache, rows: int) -> bool:
+    """Whether a forward of `rows` tokens over `cache` may run one kernel call per layer: a
+    float32 cache, at most MAX_ROWS rows (MKL's product is faster past them) and heads no wider
+    than the attention kernel's 128."""
+    return rows <= MAX_ROWS and config.head_dim <= 128 and cache.keys[0].dtype == torch.float32
+
+
+def layer_kernel_weights(layer: nn.Module, input_norm: RMSNorm,
+                         embedded_norm: RMSNorm | None = None) -> LayerKernelWeights | None:
     """A decoder layer's tiled float32 weights for the one-call kernel (docs/design.md, "One
-    call per layer"), its attention input normed by `input_norm`; None where it runs op by op:
-    its products are not all tiled (no kernels, another dtype, int8), a weight trains, or one
-    changed since it was tiled."""
+    call per layer"), its attention input normed by `input_norm` (beside the embedding normed
+    by `embedded_norm`: an EAGLE-3 layer); None where it runs op by op: its products are not
+    all tiled (no kernels, another dtype, int8), a weight trains, or one changed since it was
+    tiled."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv, gate_up = attn.fused(), mlp.fused()
     o, down = (part.fresh_packed() if isinstance(part, Linear) else None for part in (attn.o_proj, mlp.down_proj))
@@ -583,13 +592,14 @@ def layer_kernel_weights(layer: nn.Module, input_norm: RMSNorm) -> LayerKernelWe
             and isinstance(o, TiledWeight) and isinstance(down, TiledWeight)
             and attn.o_proj.bias is None and mlp.down_proj.bias is None):
         return None
-    norms = [input_norm, layer.post_attention_layernorm, getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
+    norms = [input_norm, layer.post_attention_layernorm, getattr(attn, "q_norm", None), getattr(attn, "k_norm", None),
+             embedded_norm]
     if any(n is not None and (n.weight.dtype != torch.float32 or n.weight.requires_grad or n.eps != input_norm.eps)
            for n in norms):  # the kernel takes one eps
         return None
-    return LayerKernelWeights(input_norm.weight, qkv.weight.tiles, qkv.bias, *(n and n.weight for n in norms[2:]),
+    return LayerKernelWeights(input_norm.weight, qkv.weight.tiles, qkv.bias, *(n and n.weight for n in norms[2:4]),
                               o.tiles, layer.post_attention_layernorm.weight, gate_up.weight.tiles, down.tiles,
-                              input_norm.eps)
+                              input_norm.eps, embedded_norm and embedded_norm.weight)
 
 
 class Backbone(nn.Module):
@@ -689,10 +699,10 @@ class Transformer(nn.Module):
         """Every layer's weights for one kernel call per layer in a forward of `rows` tokens over
         `cache` (docs/design.md, "One call per layer"), or None where the layers run op by op:
         not float32 inference with the CPU kernels, more than MAX_ROWS rows (MKL's product is
-        faster there) or heads wider than the attention kernel's 128. Kept until a packed copy
-        anywhere is set or dropped, or a parameter changes in place or starts to train
-        (`kept_kernel_weights`)."""
-        if rows > MAX_ROWS or self.config.head_dim > 128 or cache.keys[0].dtype != torch.float32:
+        faster there) or heads wider than the attention kernel's 128 (`kernel_forward_fits`).
+        Kept until a packed copy anywhere is set or dropped, or a parameter changes in place or
+        starts to train (`kept_kernel_weights`)."""
+        if not kernel_forward_fits(self.config, cache, rows):
             return None
         return kept_kernel_weights(self, lambda: [layer.kernel_weights() for layer in self.model.layers])
 
