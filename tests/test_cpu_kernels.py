@@ -19,8 +19,9 @@ from failfast.model.packed import pack_weight
 from failfast.model.ragged import Ragged
 from failfast.model.tiled import MAX_ROWS, TiledWeight, tile
 from failfast.model.transformer import MLP, Attention, Linear, RMSNorm, Rotary, Transformer, apply_rotary, linear
+from failfast.model.dflash import DFlashModel
 from failfast.model.eagle3 import Eagle3Model
-from tests.helpers import tiny_config, tiny_eagle3_config, write_model
+from tests.helpers import tiny_config, tiny_dflash_config, tiny_eagle3_config, write_model
 
 AVX512 = pytest.mark.skipif(
     torch.backends.cpu.get_cpu_capability() != "AVX512" or not cpu_kernels.toolchain()
@@ -424,5 +425,44 @@ def test_an_eagle3_step_in_one_call_computes_the_op_by_op_step(tmp_path, monkeyp
         with monkeypatch.context() as patch:
             patch.setattr(Eagle3Model, "_kernel_weights", lambda *args: None)
             reference_ = step()
+    for a, b in zip(fused, reference_, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@AVX512
+def test_dflash_passes_in_one_call_compute_the_op_by_op_passes(tmp_path, monkeypatch):
+    """Blocks of three rows of a drafter cache (different contexts and widths) in one packed
+    call: hidden states as the op-by-op passes' up to float32 rounding (SDPA there), each row's
+    bit-equal to its pass alone, and the cached context untouched."""
+    target_cfg = tiny_config(vocab_size=120, intermediate_size=96)
+    target = load_model(write_model(tmp_path / "t", target_cfg, seed=0)).model
+    drafter = load_model(write_model(tmp_path / "d", tiny_dflash_config(target_cfg, num_hidden_layers=2), seed=1)).model
+    drafter.attach(target.model.embed_tokens, target.lm_head)
+    assert all(layer.kernel_weights() is not None for layer in drafter.layers)
+    gen = torch.Generator().manual_seed(3)
+    features = torch.randn(3, 9, 2 * target_cfg.hidden_size, generator=gen)
+    windows = [torch.randint(0, 120, (n,), generator=gen).tolist() for n in (4, 7, 5)]
+    rows, lengths = [0, 2, 1], [5, 9, 3]
+
+    def passes():
+        cache = drafter.new_cache(24, batch=3)
+        views = [cache.row(row) for row in range(3)]
+        for row, length in enumerate(lengths):
+            drafter.write_context(features[row:row + 1, :length], 0, views[row])
+        context = [t.clone() for t in cache.keys + cache.values]
+        out = drafter.draft_passes(windows, rows, [lengths[r] for r in rows], cache)
+        alone = [drafter.draft_pass(torch.tensor([w]), lengths[r], views[r])[0] for w, r in zip(windows, rows)]
+        assert [view.length for view in views] == lengths
+        kept = all(torch.equal(a[r, :, :n], b[r, :, :n]) for a, b in zip(context, cache.keys + cache.values)
+                   for r, n in enumerate(lengths))
+        return out, alone, kept
+
+    with torch.inference_mode():
+        fused, alone, kept = passes()
+        with monkeypatch.context() as patch:
+            patch.setattr(DFlashModel, "_kernel_weights", lambda *args: None)
+            reference_, _, _ = passes()
+    assert kept
+    assert all(torch.equal(a, b) for a, b in zip(fused, alone, strict=True))
     for a, b in zip(fused, reference_, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -21,21 +21,16 @@ from failfast.errors import IncompatibleModelsError
 from failfast.model.borrowed import BorrowsTargetParts
 from failfast.model.config import ModelConfig
 from failfast.model.kv_cache import KVCache
-from failfast.model.transformer import MLP, Attention, Linear, RMSNorm, Rotary
+from failfast.model.transformer import (DecoderLayer, KernelLayers, LayerKernelWeights, Linear, RMSNorm, Rotary,
+                                        kernel_layer_weights)
 
 
-class DFlashLayer(nn.Module):
-    """A Qwen3 decoder layer whose attention also reads context keys/values."""
+class DFlashLayer(DecoderLayer):
+    """A Qwen3 decoder layer whose attention also reads context keys/values: a decoder layer's
+    weights (and kernel weights) with another forward."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], context_k: Tensor, context_v: Tensor,
-                mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], context_k: Tensor,  # type: ignore[override]
+                context_v: Tensor, mask: Tensor | None) -> Tensor:
         """x [B, W, hidden]; context K/V [B, kv_heads, C, head_dim]; `mask` [B, 1, W, C + W]
         (True: may attend) or None (every query sees every key)."""
         attn = self.self_attn
@@ -104,26 +99,60 @@ class DFlashModel(BorrowsTargetParts):
 
     def draft_pass(self, tokens: Tensor, start: int, cache: KVCache) -> Tensor:
         """Final hidden states [1, W, hidden] of a block at positions start.. against the cached
-        context [0, start); the block's own K/V are not kept."""
+        context [0, start); the block's own K/V are not kept (the kernel path writes them past
+        the context as scratch; the cache length does not move)."""
         if start != cache.length:
             raise ValueError(f"a block at position {start} but the drafter cache holds {cache.length}")
-        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        width = tokens.shape[1]
+        if (weights := self._kernel_weights(cache, width)) is not None:
+            return self._kernel_hidden(weights, tokens[0], [0], [start], [width], cache)[None]
+        positions = torch.arange(start, start + width, device=tokens.device)
         context = [(cache.keys[i][:, :, :start], cache.values[i][:, :, :start]) for i in range(len(self.layers))]
         return self.hidden(tokens, positions, context, None)
 
     def draft_passes(self, windows: list[list[int]], rows: list[int], starts: list[int], cache: KVCache) -> list[Tensor]:
         """Several rows' blocks in one forward: row i's block `windows[i]` at positions
         starts[i].. against the context [0, starts[i]) of cache row rows[i]; each row's final
-        hidden states [len(windows[i]), hidden] (blocks padded to the longest, masked out)."""
+        hidden states [len(windows[i]), hidden] (packed for the kernels, else padded to the
+        longest and masked out)."""
         device = self.device
-        width, context_len = max(map(len, windows)), max(starts)
+        lengths = [len(w) for w in windows]
+        if (weights := self._kernel_weights(cache, sum(lengths))) is not None:
+            tokens = torch.tensor([t for w in windows for t in w], device=device)
+            return list(self._kernel_hidden(weights, tokens, rows, starts, lengths, cache).split(lengths))
+        width, context_len = max(lengths), max(starts)
         tokens = torch.tensor([w + w[-1:] * (width - len(w)) for w in windows], device=device)
         start = torch.tensor(starts, device=device)[:, None]
         index = torch.tensor(rows, device=device)
         context = [(cache.keys[i][index, :, :context_len], cache.values[i][index, :, :context_len])
                    for i in range(len(self.layers))]
         sees_context = torch.arange(context_len, device=device)[None, :] < start
-        sees_block = torch.arange(width, device=device)[None, :] < torch.tensor([len(w) for w in windows], device=device)[:, None]
+        sees_block = torch.arange(width, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
         mask = torch.cat([sees_context, sees_block], dim=1)[:, None, None, :].expand(-1, 1, width, -1)
         hidden = self.hidden(tokens, start + torch.arange(width, device=device), context, mask)
         return [hidden[i, :len(w)] for i, w in enumerate(windows)]
+
+    def _kernel_weights(self, cache: KVCache, rows: int) -> list[LayerKernelWeights] | None:
+        """The layers' weights for one kernel call per layer (float32 inference with the CPU
+        kernels; `kernel_layer_weights`), else None."""
+        return kernel_layer_weights(self, self.layers, rows, cache)
+
+    def _kernel_hidden(self, weights: list[LayerKernelWeights], tokens: Tensor, rows: list[int], starts: list[int],
+                       lengths: list[int], cache: KVCache) -> Tensor:
+        """Final hidden states [N, hidden] of packed blocks (tokens [N]: row i's `lengths[i]`
+        tokens at positions starts[i].. of cache row rows[i]), one kernel call per layer
+        (docs/design.md, "One call per layer"). Each token's K/V are written at its position,
+        past the row's context (scratch: cache lengths do not move), and its query reads keys
+        up to its block's end: the context, then the whole block, as the op-by-op pass does
+        (the attention kernel rounds unlike SDPA, which only changes what is proposed)."""
+        spans = list(zip(rows, starts, lengths))
+        places = torch.tensor([[r for r, _, n in spans for _ in range(n)],
+                               [p for _, s, n in spans for p in range(s, s + n)],
+                               [s + n for _, s, n in spans for _ in range(n)]], device=tokens.device)
+        cfg = self.config
+        layers = KernelLayers(weights, cfg.num_attention_heads, cfg.head_dim ** -0.5, places=places)
+        x = self.embed_tokens(tokens).to(self.dtype)[None]
+        rope = self.rotary.rows(places[1], x.dtype)
+        for i in range(len(weights)):
+            x = layers.run(i, x, rope, cache, 0)
+        return self.norm(x)[0]

@@ -22,8 +22,8 @@ from failfast.model.borrowed import BorrowsTargetParts
 from failfast.model.config import ModelConfig
 from failfast.model.kv_cache import KVCache
 from failfast.model import cpu_kernels
-from failfast.model.transformer import (MLP, Attention, LayerKernelWeights, Linear, RMSNorm, Rotary, kept_kernel_weights,
-                                        kernel_forward_fits, kernel_layer_args, layer_kernel_weights)
+from failfast.model.transformer import (MLP, Attention, LayerKernelWeights, Linear, RMSNorm, Rotary, kernel_layer_args,
+                                        kernel_layer_weights, layer_kernel_weights)
 
 
 class Eagle3Layer(nn.Module):
@@ -131,10 +131,8 @@ class Eagle3Model(BorrowsTargetParts):
 
     def _kernel_weights(self, cache: KVCache, rows: int) -> LayerKernelWeights | None:
         """The layer's weights for one kernel call per step (float32 inference with the CPU
-        kernels), kept like a target's (`kept_kernel_weights`), else None."""
-        if not kernel_forward_fits(self.config, cache, rows):
-            return None
-        weights = kept_kernel_weights(self, lambda: [self.midlayer.kernel_weights()])
+        kernels), kept like a target's (`kernel_layer_weights`), else None."""
+        weights = kernel_layer_weights(self, [self.midlayer], rows, cache)
         return None if weights is None else weights[0]
 
     def _kernel_step(self, w: LayerKernelWeights, embedded: Tensor, hidden: Tensor, rows: list[int],

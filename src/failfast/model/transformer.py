@@ -577,6 +577,19 @@ def kernel_forward_fits(config: ModelConfig, cache: KVCache, rows: int) -> bool:
     return rows <= MAX_ROWS and config.head_dim <= 128 and cache.keys[0].dtype == torch.float32
 
 
+def kernel_layer_weights(owner: nn.Module, layers: Sequence[nn.Module], rows: int,
+                         cache: KVCache) -> list[LayerKernelWeights] | None:
+    """The weights of `layers` (each with a `kernel_weights()`) of model `owner` for one kernel
+    call per layer in a forward of `rows` tokens over `cache` (docs/design.md, "One call per
+    layer"), or None where the layers run op by op: not float32 inference with the CPU
+    kernels, more than MAX_ROWS rows (MKL's product is faster there) or heads wider than the
+    attention kernel's 128 (`kernel_forward_fits`). Kept until a packed copy anywhere is set or
+    dropped, or a parameter changes in place or starts to train (`kept_kernel_weights`)."""
+    if not kernel_forward_fits(owner.config, cache, rows):  # type: ignore[arg-type]
+        return None
+    return kept_kernel_weights(owner, lambda: [layer.kernel_weights() for layer in layers])
+
+
 def layer_kernel_weights(layer: nn.Module, input_norm: RMSNorm,
                          embedded_norm: RMSNorm | None = None) -> LayerKernelWeights | None:
     """A decoder layer's tiled float32 weights for the one-call kernel (docs/design.md, "One
@@ -697,14 +710,8 @@ class Transformer(nn.Module):
 
     def _kernel_layers(self, rows: int, cache: KVCache) -> list[LayerKernelWeights] | None:
         """Every layer's weights for one kernel call per layer in a forward of `rows` tokens over
-        `cache` (docs/design.md, "One call per layer"), or None where the layers run op by op:
-        not float32 inference with the CPU kernels, more than MAX_ROWS rows (MKL's product is
-        faster there) or heads wider than the attention kernel's 128 (`kernel_forward_fits`).
-        Kept until a packed copy anywhere is set or dropped, or a parameter changes in place or
-        starts to train (`kept_kernel_weights`)."""
-        if not kernel_forward_fits(self.config, cache, rows):
-            return None
-        return kept_kernel_weights(self, lambda: [layer.kernel_weights() for layer in self.model.layers])
+        `cache` (`kernel_layer_weights`)."""
+        return kernel_layer_weights(self, self.model.layers, rows, cache)
 
     def _head(self, hidden: Tensor, head_weight: Tensor | None) -> Tensor:
         return self.lm_head(hidden) if head_weight is None else linear(hidden, head_weight)
