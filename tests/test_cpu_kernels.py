@@ -466,3 +466,36 @@ def test_dflash_passes_in_one_call_compute_the_op_by_op_passes(tmp_path, monkeyp
     assert all(torch.equal(a, b) for a, b in zip(fused, alone, strict=True))
     for a, b in zip(fused, reference_, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@AVX512
+def test_a_whole_forward_in_one_call_computes_the_bits_of_one_call_per_layer(tmp_path, monkeypatch):
+    """docs/design.md, "One call per forward": logits (all, none, chosen and negative indices),
+    tapped layers' outputs and every cached K/V bit-equal to one kernel call per layer, for a
+    cache's rows and for a packed forward."""
+    cfg = tiny_config(vocab_size=120, intermediate_size=96, model_type="qwen3", qk_norm=True, num_hidden_layers=3)
+    model = load_model(write_model(tmp_path / "m", cfg, seed=7)).model
+    ids = torch.randint(0, 120, (2, 40), generator=torch.Generator().manual_seed(8))
+
+    def forwards():
+        cache = model.new_cache(48, batch=2)
+        out = [model(ids[:, :20], 0, cache, logits_at=slice(0, 0)), *model(ids[:, 20:25], 20, cache, taps=(0, 2)),
+               model(ids[:, 25:28], 25, cache, logits_at=[-1, 0]), model(ids[:, 28:29], 28, cache),
+               model(ids[:, 29:33], 29, cache, logits_at=[0, 2])]
+        packed = model.new_cache(48, batch=3)
+        for row in range(2):
+            model(ids[row:row + 1, :12], 0, packed.row(row))
+        ragged = Ragged.pack([1, 0], [12, 12], [ids[1, 12:15].tolist(), ids[0, 12:17].tolist()], model.device)
+        out += [*model.forward_ragged(ragged, packed, taps=(1,)),
+                model.forward_ragged(ragged, packed, logits_at=torch.tensor([2, 7]))]
+        return out + cache.keys + cache.values + packed.keys + packed.values
+
+    with torch.inference_mode():
+        assert model._whole_forward(model._kernel_layers(1, model.new_cache(4)), ids[:1, :1], None, 0, 1, 0,
+                                    model.new_cache(4), [0], None, ()) is not None
+        whole = forwards()
+        with monkeypatch.context() as patch:
+            patch.setattr(Transformer, "_whole_forward", lambda *args: None)
+            per_layer = forwards()
+    assert [t.shape for t in whole] == [t.shape for t in per_layer]
+    assert all(torch.equal(a, b) for a, b in zip(whole, per_layer, strict=True))

@@ -484,6 +484,23 @@ torch::Tensor layer(const torch::Tensor& x, const Places& at, const torch::Tenso
   return out;
 }
 
+// The places of T tokens at positions start .. start+T-1 of each of B cache rows, in row
+// order: a query at position p reads keys 0 .. p (causal: block_size 0) or up to the end of its
+// block, at most read_end (block diffusion). RoPE rows: the token's index in its row (tables
+// of the forward's T positions), or its position (`by_position`: tables from position 0).
+Places grid_places(int64_t B, int64_t T, int64_t start, int64_t read_end, int64_t block_size, bool by_position) {
+  Places at;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t p = start + t;
+      at.row.push_back(b);
+      at.pos.push_back(p);
+      at.keys.push_back(block_size ? std::min(read_end, (p / block_size + 1) * block_size) : p + 1);
+      at.rope.push_back(by_position ? p : t);
+    }
+  return at;
+}
+
 void check_input(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.scalar_type() == torch::kFloat && x.device().is_cpu(),
               "x must be contiguous float32 [rows, tokens, hidden] on the CPU");
@@ -504,15 +521,7 @@ torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& input_n
   const int64_t B = x.size(0), T = x.size(1);
   TORCH_CHECK(cache_k.dim() == 4 && cache_k.size(0) == B && block_size >= 0 && start + T <= read_end,
               "decoder_layer: the cache must have x's rows, and read_end cover the tokens");
-  Places at;
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t p = start + t;
-      at.row.push_back(b);
-      at.pos.push_back(p);
-      at.keys.push_back(block_size ? std::min(read_end, (p / block_size + 1) * block_size) : p + 1);
-      at.rope.push_back(t);
-    }
+  const Places at = grid_places(B, T, start, read_end, block_size, false);
   return layer(x, at, input_norm, qkv_tiles, qkv_bias, q_norm, k_norm, o_tiles, post_norm, gate_up_tiles, down_tiles,
                eps, cos, signed_sin, cache_k, cache_v, heads, scale, c10::nullopt, c10::nullopt);
 }
@@ -543,6 +552,98 @@ torch::Tensor packed_decoder_layer(const torch::Tensor& x, const torch::Tensor& 
                eps, cos, signed_sin, cache_k, cache_v, heads, scale, embedded, embedded_norm);
 }
 
+// A decoder layer's weights as `layer` takes them (model/transformer.py's LayerKernelWeights
+// without the EAGLE-3 embedding norm).
+using LayerWeights = std::tuple<torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+                                c10::optional<torch::Tensor>, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                                double>;
+
+// A model's decoder layers for `stack_forward`, built once per set of kept kernel weights so
+// that a forward hands over one object instead of ten tensors a layer.
+struct LayerStack {
+  std::vector<LayerWeights> layers;
+  int64_t heads;
+  double scale;
+};
+
+// stack_forward: a whole float32 forward over a KV cache in one call: the embedding rows of
+// `tokens` (int64 [N]), every layer of `stack` (`layer`, as decoder_layer and
+// packed_decoder_layer run it), the final norm of the rows `logits_at` (int64 [R], indices into
+// the N tokens) and their logits through the head's tiles ([R, vocab]): what
+// `Transformer.forward` computes with one kernel call per layer, with the same kernels in the
+// same order, so the same bits, without the Python between them. Tokens sit at `places` [3, N]
+// (cache row, position, key end; a packed forward) or, without it, at positions start ..
+// start+T-1 of every cache row (N = B x T, row-major; `grid_places`). RoPE tables cover
+// positions 0.. (a token's row is its position). With `taps` (layer indices, ascending) the
+// result also holds the outputs of those layers at every token, side by side ([N, taps x E]:
+// what a target-conditioned drafter reads).
+std::vector<torch::Tensor> stack_forward(const LayerStack& stack, const torch::Tensor& tokens, int64_t batch,
+                            const c10::optional<torch::Tensor>& places, int64_t start, int64_t read_end,
+                            int64_t block_size, const torch::Tensor& embedding, const torch::Tensor& cos,
+                            const torch::Tensor& signed_sin, const std::vector<torch::Tensor>& keys,
+                            const std::vector<torch::Tensor>& values, const torch::Tensor& norm, double eps,
+                            const torch::Tensor& head_tiles, int64_t vocab, const torch::Tensor& logits_at,
+                            const std::vector<int64_t>& taps) {
+  const int64_t N = tokens.numel(), L = static_cast<int64_t>(stack.layers.size());
+  for (size_t i = 0; i < taps.size(); ++i)
+    TORCH_CHECK(taps[i] >= 0 && taps[i] < L && (i == 0 || taps[i] > taps[i - 1]),
+                "stack_forward: taps must be ascending layer indices");
+  TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == torch::kLong && tokens.is_contiguous() &&
+                  tokens.device().is_cpu() && logits_at.dim() == 1 && logits_at.scalar_type() == torch::kLong &&
+                  logits_at.is_contiguous() && logits_at.device().is_cpu(),
+              "stack_forward: tokens and logits_at must be contiguous int64 CPU vectors");
+  TORCH_CHECK(embedding.dim() == 2 && embedding.is_contiguous() && embedding.scalar_type() == torch::kFloat &&
+                  embedding.device().is_cpu(),
+              "stack_forward: the embedding must be a contiguous float32 CPU matrix");
+  TORCH_CHECK(static_cast<int64_t>(keys.size()) == L && static_cast<int64_t>(values.size()) == L,
+              "stack_forward: one key and one value cache per layer");
+  const int64_t E = embedding.size(1), V = embedding.size(0);
+  Places at;
+  if (places.has_value()) {
+    TORCH_CHECK(places->dim() == 2 && places->size(0) == 3 && places->size(1) == N &&
+                    places->scalar_type() == torch::kLong && places->is_contiguous() && places->device().is_cpu(),
+                "stack_forward: places must be contiguous int64 [3, N]");
+    const int64_t* p = places->data_ptr<int64_t>();
+    at = Places{{p, p + N}, {p + N, p + 2 * N}, {p + 2 * N, p + 3 * N}, {p + N, p + 2 * N}};
+  } else {
+    TORCH_CHECK(batch > 0 && N % batch == 0 && block_size >= 0 && start + N / batch <= read_end,
+                "stack_forward: tokens must fill the batch's rows, and read_end cover them");
+    at = grid_places(batch, N / batch, start, read_end, block_size, true);
+  }
+  const int64_t rows = places.has_value() ? 1 : batch;
+  auto x = torch::empty({rows, N / rows, E}, embedding.options());
+  const int64_t* ids = tokens.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    TORCH_CHECK(ids[n] >= 0 && ids[n] < V, "stack_forward: a token id is outside the embedding");
+    std::copy_n(embedding.data_ptr<float>() + ids[n] * E, E, x.data_ptr<float>() + n * E);
+  }
+  const int64_t F = static_cast<int64_t>(taps.size()) * E;
+  auto features = torch::empty({N, F}, embedding.options());
+  for (int64_t i = 0, tapped = 0; i < L; ++i) {
+    const auto& [input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down, layer_eps] = stack.layers[i];
+    x = layer(x, at, input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down, layer_eps, cos, signed_sin,
+              keys[i], values[i], stack.heads, stack.scale, c10::nullopt, c10::nullopt);
+    if (tapped < static_cast<int64_t>(taps.size()) && taps[tapped] == i) {
+      for (int64_t n = 0; n < N; ++n)
+        std::copy_n(x.data_ptr<float>() + n * E, E, features.data_ptr<float>() + n * F + tapped * E);
+      ++tapped;
+    }
+  }
+  const int64_t R = logits_at.numel();
+  check_vector(norm, E, "norm");
+  check_tiles(head_tiles, E, vocab, "head_tiles");
+  std::vector<float> normed(R * E);
+  const int64_t* picked = logits_at.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(picked[r] >= 0 && picked[r] < N, "stack_forward: logits_at indexes past the tokens");
+    rms_norm_row(x.data_ptr<float>() + picked[r] * E, norm.data_ptr<float>(), normed.data() + r * E, E,
+                 static_cast<float>(eps));
+  }
+  auto logits = torch::empty({R, vocab}, embedding.options());
+  tiled_product(normed.data(), R, E, head_tiles, vocab, logits.data_ptr<float>(), nullptr);
+  return {logits, features};
+}
+
 }  // namespace
 
 // The kernels touch no Python object: other Python threads (a server's) run meanwhile.
@@ -561,5 +662,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("eps"), py::arg("cos"), py::arg("signed_sin"), py::arg("cache_k"), py::arg("cache_v"),
         py::arg("places"), py::arg("heads"), py::arg("scale"), py::arg("embedded") = py::none(),
         py::arg("embedded_norm") = py::none());
+  py::class_<LayerStack>(m, "LayerStack", "a model's decoder layers' kernel weights, for stack_forward")
+      .def(py::init([](std::vector<LayerWeights> layers, int64_t heads, double scale) {
+        return LayerStack{std::move(layers), heads, scale};
+      }));
+  m.def("stack_forward", &stack_forward, release(),
+        "a whole float32 forward over a KV cache: embedding, every layer, final norm and head of chosen rows, and tapped layers' outputs",
+        py::arg("stack"), py::arg("tokens"), py::arg("batch"), py::arg("places"), py::arg("start"), py::arg("read_end"),
+        py::arg("block_size"), py::arg("embedding"), py::arg("cos"), py::arg("signed_sin"), py::arg("keys"),
+        py::arg("values"), py::arg("norm"), py::arg("eps"), py::arg("head_tiles"), py::arg("vocab"),
+        py::arg("logits_at"), py::arg("taps"));
   m.def("attend", &attend, release(), "attention of float32 q [B, H, T, D] to k, v [B, G, S, D] under a boolean mask [B, T, S]");
 }

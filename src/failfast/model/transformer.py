@@ -695,6 +695,15 @@ class Transformer(nn.Module):
             raise ValueError(f"positions up to {end} exceed the cache capacity {cache.capacity}")
         kernel_layers = None
         if (weights := self._kernel_layers(tokens.numel(), cache)) is not None:
+            b = tokens.shape[0]
+            picked = range(t)[logits_at] if isinstance(logits_at, slice) else logits_at or range(t)
+            rows = [i * t + j % t for i in range(b) for j in picked]
+            if (whole := self._whole_forward(weights, tokens, None, start, end, block_size or 0, cache, rows,
+                                             head_weight, taps)) is not None:
+                if commit:
+                    cache.length = start + t
+                logits = whole[0].view(b, len(picked), whole[0].shape[-1])
+                return (logits, whole[1].view(b, t, -1)) if taps else logits
             kernel_layers = KernelLayers(weights, self.config.num_attention_heads, self.config.head_dim ** -0.5,
                                          end, block_size or 0)
         mask = None
@@ -712,6 +721,31 @@ class Transformer(nn.Module):
         """Every layer's weights for one kernel call per layer in a forward of `rows` tokens over
         `cache` (`kernel_layer_weights`)."""
         return kernel_layer_weights(self, self.model.layers, rows, cache)
+
+    def _whole_forward(self, weights: list[LayerKernelWeights], tokens: Tensor, places: Tensor | None, start: int,
+                       read_end: int, block_size: int, cache: KVCache, rows: list[int] | Tensor,
+                       head_weight: Tensor | TiledWeight | None, taps: Sequence[int]) -> list[Tensor] | None:
+        """[logits [len(rows), V] of the forward's tokens `rows` (flat indices), the tapped
+        layers' outputs [N, F]] in one kernel call (`cpu_kernels.stack_forward`: embedding, every
+        layer, final norm and head; docs/design.md, "One call per forward"), the same bits as
+        one kernel call per layer; None where that call does not serve (an untiled head, an
+        embedding or norm not in float32)."""
+        head = self.lm_head.fresh_packed() if head_weight is None else head_weight
+        embedding, norm = self.model.embed_tokens.weight, self.model.norm
+        if not (isinstance(head, TiledWeight) and embedding.dtype == norm.weight.dtype == torch.float32
+                and embedding.is_contiguous() and len(rows) <= MAX_ROWS):
+            return None
+        kept = self.__dict__.get("_layer_stack")
+        if kept is None or kept[0] is not weights:  # a stack per set of kept weights
+            stack = cpu_kernels.kernels().LayerStack(  # type: ignore[union-attr]
+                [tuple(w[:10]) for w in weights], self.config.num_attention_heads, self.config.head_dim ** -0.5)
+            kept = self.__dict__["_layer_stack"] = (weights, stack)
+        cos, signed_sin = self.rotary.rows(slice(0, read_end), torch.float32)
+        picked = rows.contiguous() if isinstance(rows, Tensor) else torch.tensor(rows, dtype=torch.long)
+        return cpu_kernels.kernels().stack_forward(  # type: ignore[union-attr]
+            kept[1], tokens.reshape(-1).long().contiguous(), tokens.shape[0], places, start, read_end, block_size, embedding, cos,
+            signed_sin, cache.keys, cache.values, norm.weight, norm.eps, head.tiles, head.weight.shape[0], picked,
+            list(taps))
 
     def _head(self, hidden: Tensor, head_weight: Tensor | None) -> Tensor:
         return self.lm_head(hidden) if head_weight is None else linear(hidden, head_weight)
@@ -741,6 +775,10 @@ class Transformer(nn.Module):
         if (weights := self._kernel_layers(ragged.tokens.numel(), cache)) is not None:
             places = torch.stack([ragged.cache_row_of, ragged.positions[0], key_ends(ragged, block_size, read_end,
                                                                                       context_ends)])
+            rows = torch.arange(ragged.tokens.numel()) if logits_at is None else logits_at.long()
+            if (whole := self._whole_forward(weights, ragged.tokens, places, 0, read_end, 0, cache, rows, head_weight,
+                                             taps)) is not None:
+                return (whole[0], whole[1]) if taps else whole[0]
             kernel_layers = KernelLayers(weights, self.config.num_attention_heads, self.config.head_dim ** -0.5,
                                          places=places)
         else:
