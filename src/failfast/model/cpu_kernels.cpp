@@ -567,9 +567,9 @@ struct LayerStack {
 };
 
 // stack_forward: a whole float32 forward over a KV cache in one call: the embedding rows of
-// `tokens` (int64 [N]), every layer of `stack` (`layer`, as decoder_layer and
-// packed_decoder_layer run it), the final norm of the rows `logits_at` (int64 [R], indices into
-// the N tokens) and their logits through the head's tiles ([R, vocab]): what
+// `tokens` (N ids), every layer of `stack` (`layer`, as decoder_layer and
+// packed_decoder_layer run it), the final norm of the rows `logits_at` (R indices into the N
+// tokens) and their logits through the head's tiles ([R, vocab]): what
 // `Transformer.forward` computes with one kernel call per layer, with the same kernels in the
 // same order, so the same bits, without the Python between them. Tokens sit at `places` [3, N]
 // (cache row, position, key end; a packed forward) or, without it, at positions start ..
@@ -577,21 +577,17 @@ struct LayerStack {
 // positions 0.. (a token's row is its position). With `taps` (layer indices, ascending) the
 // result also holds the outputs of those layers at every token, side by side ([N, taps x E]:
 // what a target-conditioned drafter reads).
-std::vector<torch::Tensor> stack_forward(const LayerStack& stack, const torch::Tensor& tokens, int64_t batch,
+std::vector<torch::Tensor> stack_forward(const LayerStack& stack, const std::vector<int64_t>& tokens, int64_t batch,
                             const c10::optional<torch::Tensor>& places, int64_t start, int64_t read_end,
                             int64_t block_size, const torch::Tensor& embedding, const torch::Tensor& cos,
                             const torch::Tensor& signed_sin, const std::vector<torch::Tensor>& keys,
                             const std::vector<torch::Tensor>& values, const torch::Tensor& norm, double eps,
-                            const torch::Tensor& head_tiles, int64_t vocab, const torch::Tensor& logits_at,
+                            const torch::Tensor& head_tiles, int64_t vocab, const std::vector<int64_t>& logits_at,
                             const std::vector<int64_t>& taps) {
-  const int64_t N = tokens.numel(), L = static_cast<int64_t>(stack.layers.size());
+  const int64_t N = static_cast<int64_t>(tokens.size()), L = static_cast<int64_t>(stack.layers.size());
   for (size_t i = 0; i < taps.size(); ++i)
     TORCH_CHECK(taps[i] >= 0 && taps[i] < L && (i == 0 || taps[i] > taps[i - 1]),
                 "stack_forward: taps must be ascending layer indices");
-  TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == torch::kLong && tokens.is_contiguous() &&
-                  tokens.device().is_cpu() && logits_at.dim() == 1 && logits_at.scalar_type() == torch::kLong &&
-                  logits_at.is_contiguous() && logits_at.device().is_cpu(),
-              "stack_forward: tokens and logits_at must be contiguous int64 CPU vectors");
   TORCH_CHECK(embedding.dim() == 2 && embedding.is_contiguous() && embedding.scalar_type() == torch::kFloat &&
                   embedding.device().is_cpu(),
               "stack_forward: the embedding must be a contiguous float32 CPU matrix");
@@ -612,10 +608,9 @@ std::vector<torch::Tensor> stack_forward(const LayerStack& stack, const torch::T
   }
   const int64_t rows = places.has_value() ? 1 : batch;
   auto x = torch::empty({rows, N / rows, E}, embedding.options());
-  const int64_t* ids = tokens.data_ptr<int64_t>();
   for (int64_t n = 0; n < N; ++n) {
-    TORCH_CHECK(ids[n] >= 0 && ids[n] < V, "stack_forward: a token id is outside the embedding");
-    std::copy_n(embedding.data_ptr<float>() + ids[n] * E, E, x.data_ptr<float>() + n * E);
+    TORCH_CHECK(tokens[n] >= 0 && tokens[n] < V, "stack_forward: a token id is outside the embedding");
+    std::copy_n(embedding.data_ptr<float>() + tokens[n] * E, E, x.data_ptr<float>() + n * E);
   }
   const int64_t F = static_cast<int64_t>(taps.size()) * E;
   auto features = torch::empty({N, F}, embedding.options());
@@ -629,14 +624,13 @@ std::vector<torch::Tensor> stack_forward(const LayerStack& stack, const torch::T
       ++tapped;
     }
   }
-  const int64_t R = logits_at.numel();
+  const int64_t R = static_cast<int64_t>(logits_at.size());
   check_vector(norm, E, "norm");
   check_tiles(head_tiles, E, vocab, "head_tiles");
   std::vector<float> normed(R * E);
-  const int64_t* picked = logits_at.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r) {
-    TORCH_CHECK(picked[r] >= 0 && picked[r] < N, "stack_forward: logits_at indexes past the tokens");
-    rms_norm_row(x.data_ptr<float>() + picked[r] * E, norm.data_ptr<float>(), normed.data() + r * E, E,
+    TORCH_CHECK(logits_at[r] >= 0 && logits_at[r] < N, "stack_forward: logits_at indexes past the tokens");
+    rms_norm_row(x.data_ptr<float>() + logits_at[r] * E, norm.data_ptr<float>(), normed.data() + r * E, E,
                  static_cast<float>(eps));
   }
   auto logits = torch::empty({R, vocab}, embedding.options());

@@ -248,6 +248,12 @@ class Rotary(nn.Module):
         the scalar functions for the last elements, so the same position could round apart in
         a one-token and a k-token forward, and with the tables it cannot."""
         end = (positions.stop if isinstance(positions, slice) else int(positions.max()) + 1) if _numel(positions) else 0
+        cos, signed_sin = self.tables(end, dtype)
+        return cos[positions], signed_sin[positions]
+
+    def tables(self, end: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The kept tables (cos and signed sin [P, D] for positions 0 .. P-1, P >= end), grown
+        to twice their size (at least 256 positions) when they end before `end`."""
         key = (dtype, self.inv_freq.device)
         tables = self._tables.get(key)
         if tables is None or tables[0].shape[0] < end:
@@ -255,7 +261,7 @@ class Rotary(nn.Module):
             parts = [self(torch.arange(lo, lo + TABLE_CHUNK, device=self.inv_freq.device), dtype)
                      for lo in range(0, size, TABLE_CHUNK)]
             tables = self._tables[key] = (torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts]))
-        return tables[0][positions], tables[1][positions]
+        return tables
 
 
 def batch_invariant_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
@@ -723,7 +729,7 @@ class Transformer(nn.Module):
         return kernel_layer_weights(self, self.model.layers, rows, cache)
 
     def _whole_forward(self, weights: list[LayerKernelWeights], tokens: Tensor, places: Tensor | None, start: int,
-                       read_end: int, block_size: int, cache: KVCache, rows: list[int] | Tensor,
+                       read_end: int, block_size: int, cache: KVCache, rows: list[int],
                        head_weight: Tensor | TiledWeight | None, taps: Sequence[int]) -> list[Tensor] | None:
         """[logits [len(rows), V] of the forward's tokens `rows` (flat indices), the tapped
         layers' outputs [N, F]] in one kernel call (`cpu_kernels.stack_forward`: embedding, every
@@ -740,11 +746,10 @@ class Transformer(nn.Module):
             stack = cpu_kernels.kernels().LayerStack(  # type: ignore[union-attr]
                 [tuple(w[:10]) for w in weights], self.config.num_attention_heads, self.config.head_dim ** -0.5)
             kept = self.__dict__["_layer_stack"] = (weights, stack)
-        cos, signed_sin = self.rotary.rows(slice(0, read_end), torch.float32)
-        picked = rows.contiguous() if isinstance(rows, Tensor) else torch.tensor(rows, dtype=torch.long)
+        cos, signed_sin = self.rotary.tables(read_end, torch.float32)
         return cpu_kernels.kernels().stack_forward(  # type: ignore[union-attr]
-            kept[1], tokens.reshape(-1).long().contiguous(), tokens.shape[0], places, start, read_end, block_size, embedding, cos,
-            signed_sin, cache.keys, cache.values, norm.weight, norm.eps, head.tiles, head.weight.shape[0], picked,
+            kept[1], tokens.reshape(-1).tolist(), tokens.shape[0], places, start, read_end, block_size, embedding, cos,
+            signed_sin, cache.keys, cache.values, norm.weight, norm.eps, head.tiles, head.weight.shape[0], rows,
             list(taps))
 
     def _head(self, hidden: Tensor, head_weight: Tensor | None) -> Tensor:
@@ -775,7 +780,7 @@ class Transformer(nn.Module):
         if (weights := self._kernel_layers(ragged.tokens.numel(), cache)) is not None:
             places = torch.stack([ragged.cache_row_of, ragged.positions[0], key_ends(ragged, block_size, read_end,
                                                                                       context_ends)])
-            rows = torch.arange(ragged.tokens.numel()) if logits_at is None else logits_at.long()
+            rows = list(range(ragged.tokens.numel())) if logits_at is None else logits_at.tolist()
             if (whole := self._whole_forward(weights, ragged.tokens, places, 0, read_end, 0, cache, rows, head_weight,
                                              taps)) is not None:
                 return (whole[0], whole[1]) if taps else whole[0]
