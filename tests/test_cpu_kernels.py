@@ -470,24 +470,35 @@ def test_dflash_passes_in_one_call_compute_the_op_by_op_passes(tmp_path, monkeyp
 
 @AVX512
 def test_a_whole_forward_in_one_call_computes_the_bits_of_one_call_per_layer(tmp_path, monkeypatch):
-    """docs/design.md, "One call per forward": logits (all, none, chosen and negative indices),
-    tapped layers' outputs and every cached K/V bit-equal to one kernel call per layer, for a
-    cache's rows and for a packed forward."""
-    cfg = tiny_config(vocab_size=120, intermediate_size=96, model_type="qwen3", qk_norm=True, num_hidden_layers=3)
+    """docs/design.md, "One call per forward": logits (all, none, chosen and negative indices,
+    through a reduced head), tapped layers' outputs and every cached K/V bit-equal to one kernel
+    call per layer, for a cache's rows (causal and block-diffusion scratch passes) and for
+    packed forwards (bucketed, and block passes with context ends)."""
+    cfg = tiny_config(vocab_size=120, intermediate_size=96, model_type="qwen3", qk_norm=True, num_hidden_layers=3,
+                      block_size=8, mask_token_id=119)
     model = load_model(write_model(tmp_path / "m", cfg, seed=7)).model
     ids = torch.randint(0, 120, (2, 40), generator=torch.Generator().manual_seed(8))
+    reduced = pack_weight(model.lm_head.weight.detach()[[5, 9, 30, 77]].contiguous())
+    assert isinstance(reduced, TiledWeight)
 
     def forwards():
         cache = model.new_cache(48, batch=2)
         out = [model(ids[:, :20], 0, cache, logits_at=slice(0, 0)), *model(ids[:, 20:25], 20, cache, taps=(0, 2)),
                model(ids[:, 25:28], 25, cache, logits_at=[-1, 0]), model(ids[:, 28:29], 28, cache),
-               model(ids[:, 29:33], 29, cache, logits_at=[0, 2])]
-        packed = model.new_cache(48, batch=3)
-        for row in range(2):
-            model(ids[row:row + 1, :12], 0, packed.row(row))
-        ragged = Ragged.pack([1, 0], [12, 12], [ids[1, 12:15].tolist(), ids[0, 12:17].tolist()], model.device)
-        out += [*model.forward_ragged(ragged, packed, taps=(1,)),
-                model.forward_ragged(ragged, packed, logits_at=torch.tensor([2, 7]))]
+               model(ids[:, 29:32], 29, cache, logits_at=[0, 2], head_weight=reduced),
+               model(ids[:, 32:35], 32, cache, block_size=8, commit=False, context_end=38, logits_at=[1, 2])]
+        with pytest.raises(IndexError):
+            model(ids[:, 32:35], 32, cache, logits_at=[3])
+        packed = model.new_cache(48, batch=4)
+        for row in range(3):
+            model(ids[row % 2:row % 2 + 1, :12], 0, packed.row(row), block_size=8)
+        tokens = [ids[1, 12:15].tolist(), ids[0, 12:17].tolist(), ids[0, 16:18].tolist()]
+        bucketed = Ragged.pack([1, 0, 2], [12, 12, 12], tokens, model.device, padding_row=3, capacity=48)
+        out += [*model.forward_ragged(bucketed, packed, taps=(1,)),
+                model.forward_ragged(bucketed, packed, logits_at=torch.tensor([2, -1]))]
+        ragged = Ragged.pack([1, 0, 2], [12, 12, 16], tokens, model.device)
+        out.append(model.forward_ragged(ragged, packed, block_size=8, context_ends=[15, 20, 18],
+                                        head_weight=reduced))
         return out + cache.keys + cache.values + packed.keys + packed.values
 
     with torch.inference_mode():

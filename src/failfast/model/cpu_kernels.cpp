@@ -593,7 +593,13 @@ std::vector<torch::Tensor> stack_forward(const LayerStack& stack, const std::vec
               "stack_forward: the embedding must be a contiguous float32 CPU matrix");
   TORCH_CHECK(static_cast<int64_t>(keys.size()) == L && static_cast<int64_t>(values.size()) == L,
               "stack_forward: one key and one value cache per layer");
-  const int64_t E = embedding.size(1), V = embedding.size(0);
+  const int64_t E = embedding.size(1), V = embedding.size(0), R = static_cast<int64_t>(logits_at.size());
+  check_vector(norm, E, "norm");
+  check_tiles(head_tiles, E, vocab, "head_tiles");
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(logits_at[r] >= 0 && logits_at[r] < N, "stack_forward: logits_at indexes past the tokens");
+  for (int64_t n = 0; n < N; ++n)
+    TORCH_CHECK(tokens[n] >= 0 && tokens[n] < V, "stack_forward: a token id is outside the embedding");
   Places at;
   if (places.has_value()) {
     TORCH_CHECK(places->dim() == 2 && places->size(0) == 3 && places->size(1) == N &&
@@ -604,14 +610,14 @@ std::vector<torch::Tensor> stack_forward(const LayerStack& stack, const std::vec
   } else {
     TORCH_CHECK(batch > 0 && N % batch == 0 && block_size >= 0 && start + N / batch <= read_end,
                 "stack_forward: tokens must fill the batch's rows, and read_end cover them");
+    for (int64_t i = 0; i < L; ++i)
+      TORCH_CHECK(keys[i].dim() == 4 && keys[i].size(0) == batch && values[i].dim() == 4 && values[i].size(0) == batch,
+                  "stack_forward: the caches must have the batch's rows");
     at = grid_places(batch, N / batch, start, read_end, block_size, true);
   }
   const int64_t rows = places.has_value() ? 1 : batch;
   auto x = torch::empty({rows, N / rows, E}, embedding.options());
-  for (int64_t n = 0; n < N; ++n) {
-    TORCH_CHECK(tokens[n] >= 0 && tokens[n] < V, "stack_forward: a token id is outside the embedding");
-    std::copy_n(embedding.data_ptr<float>() + tokens[n] * E, E, x.data_ptr<float>() + n * E);
-  }
+  for (int64_t n = 0; n < N; ++n) std::copy_n(embedding.data_ptr<float>() + tokens[n] * E, E, x.data_ptr<float>() + n * E);
   const int64_t F = static_cast<int64_t>(taps.size()) * E;
   auto features = torch::empty({N, F}, embedding.options());
   for (int64_t i = 0, tapped = 0; i < L; ++i) {
@@ -624,12 +630,8 @@ std::vector<torch::Tensor> stack_forward(const LayerStack& stack, const std::vec
       ++tapped;
     }
   }
-  const int64_t R = static_cast<int64_t>(logits_at.size());
-  check_vector(norm, E, "norm");
-  check_tiles(head_tiles, E, vocab, "head_tiles");
   std::vector<float> normed(R * E);
   for (int64_t r = 0; r < R; ++r) {
-    TORCH_CHECK(logits_at[r] >= 0 && logits_at[r] < N, "stack_forward: logits_at indexes past the tokens");
     rms_norm_row(x.data_ptr<float>() + logits_at[r] * E, norm.data_ptr<float>(), normed.data() + r * E, E,
                  static_cast<float>(eps));
   }

@@ -99,12 +99,12 @@ class DFlashModel(BorrowsTargetParts):
 
     def draft_pass(self, tokens: Tensor, start: int, cache: KVCache) -> Tensor:
         """Final hidden states [1, W, hidden] of a block at positions start.. against the cached
-        context [0, start); the block's own K/V are not kept (the kernel path writes them past
-        the context as scratch; the cache length does not move)."""
+        context [0, start); the block's own K/V are not kept (the kernel path writes them at
+        positions start.. as scratch, where the cache has room; the length does not move)."""
         if start != cache.length:
             raise ValueError(f"a block at position {start} but the drafter cache holds {cache.length}")
         width = tokens.shape[1]
-        if (weights := self._kernel_weights(cache, width)) is not None:
+        if start + width <= cache.capacity and (weights := self._kernel_weights(cache, width)) is not None:
             return self._kernel_hidden(weights, tokens[0], [0], [start], [width], cache)[None]
         positions = torch.arange(start, start + width, device=tokens.device)
         context = [(cache.keys[i][:, :, :start], cache.values[i][:, :, :start]) for i in range(len(self.layers))]
@@ -112,12 +112,14 @@ class DFlashModel(BorrowsTargetParts):
 
     def draft_passes(self, windows: list[list[int]], rows: list[int], starts: list[int], cache: KVCache) -> list[Tensor]:
         """Several rows' blocks in one forward: row i's block `windows[i]` at positions
-        starts[i].. against the context [0, starts[i]) of cache row rows[i]; each row's final
-        hidden states [len(windows[i]), hidden] (packed for the kernels, else padded to the
-        longest and masked out)."""
+        starts[i].. against the context [0, starts[i]) of cache row rows[i] (starts[i]: the
+        row's cached length); each row's final hidden states [len(windows[i]), hidden] (packed
+        for the kernels, which write each block's K/V at its positions as scratch; else padded
+        to the longest and masked out)."""
         device = self.device
         lengths = [len(w) for w in windows]
-        if (weights := self._kernel_weights(cache, sum(lengths))) is not None:
+        if (max(s + n for s, n in zip(starts, lengths)) <= cache.capacity
+                and (weights := self._kernel_weights(cache, sum(lengths))) is not None):
             tokens = torch.tensor([t for w in windows for t in w], device=device)
             return list(self._kernel_hidden(weights, tokens, rows, starts, lengths, cache).split(lengths))
         width, context_len = max(lengths), max(starts)

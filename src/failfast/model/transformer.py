@@ -675,7 +675,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: Tensor, start: int, cache: KVCache, *, block_size: int | None = None,
                 commit: bool = True, logits_at: slice | list[int] | None = None,
-                context_end: int | None = None, head_weight: Tensor | None = None,
+                context_end: int | None = None, head_weight: Tensor | TiledWeight | None = None,
                 taps: Sequence[int] = ()) -> Tensor | tuple[Tensor, Tensor]:
         """Logits for `tokens` [B, T] at positions start..start+T-1, attending to the cache.
 
@@ -702,8 +702,9 @@ class Transformer(nn.Module):
         kernel_layers = None
         if (weights := self._kernel_layers(tokens.numel(), cache)) is not None:
             b = tokens.shape[0]
-            picked = range(t)[logits_at] if isinstance(logits_at, slice) else logits_at or range(t)
-            rows = [i * t + j % t for i in range(b) for j in picked]
+            picked = range(t)[logits_at] if isinstance(logits_at, slice) else range(t) if logits_at is None else [
+                range(t)[j] for j in logits_at]  # range's indexing: negative indices count back, others raise
+            rows = [i * t + j for i in range(b) for j in picked]
             if (whole := self._whole_forward(weights, tokens, None, start, end, block_size or 0, cache, rows,
                                              head_weight, taps)) is not None:
                 if commit:
@@ -725,8 +726,12 @@ class Transformer(nn.Module):
 
     def _kernel_layers(self, rows: int, cache: KVCache) -> list[LayerKernelWeights] | None:
         """Every layer's weights for one kernel call per layer in a forward of `rows` tokens over
-        `cache` (`kernel_layer_weights`)."""
-        return kernel_layer_weights(self, self.model.layers, rows, cache)
+        `cache` (`kernel_layer_weights`). Off that path, a kept `LayerStack` is let go (it holds
+        the tiles of weights that may be replaced)."""
+        weights = kernel_layer_weights(self, self.model.layers, rows, cache)
+        if weights is None:
+            self.__dict__.pop("_layer_stack", None)
+        return weights
 
     def _whole_forward(self, weights: list[LayerKernelWeights], tokens: Tensor, places: Tensor | None, start: int,
                        read_end: int, block_size: int, cache: KVCache, rows: list[int],
@@ -738,8 +743,9 @@ class Transformer(nn.Module):
         embedding or norm not in float32)."""
         head = self.lm_head.fresh_packed() if head_weight is None else head_weight
         embedding, norm = self.model.embed_tokens.weight, self.model.norm
-        if not (isinstance(head, TiledWeight) and embedding.dtype == norm.weight.dtype == torch.float32
-                and embedding.is_contiguous() and len(rows) <= MAX_ROWS):
+        if not (isinstance(head, TiledWeight) and (head_weight is not None or self.lm_head.bias is None)
+                and embedding.dtype == norm.weight.dtype == torch.float32 and embedding.is_contiguous()
+                and len(rows) <= MAX_ROWS):
             return None
         kept = self.__dict__.get("_layer_stack")
         if kept is None or kept[0] is not weights:  # a stack per set of kept weights
@@ -752,12 +758,12 @@ class Transformer(nn.Module):
             signed_sin, cache.keys, cache.values, norm.weight, norm.eps, head.tiles, head.weight.shape[0], rows,
             list(taps))
 
-    def _head(self, hidden: Tensor, head_weight: Tensor | None) -> Tensor:
+    def _head(self, hidden: Tensor, head_weight: Tensor | TiledWeight | None) -> Tensor:
         return self.lm_head(hidden) if head_weight is None else linear(hidden, head_weight)
 
     def forward_ragged(self, ragged: Ragged, cache: KVCache, *, block_size: int | None = None,
                        context_ends: list[int] | None = None, logits_at: Tensor | None = None,
-                       head_weight: Tensor | None = None, taps: Sequence[int] = ()) -> Tensor | tuple[Tensor, Tensor]:
+                       head_weight: Tensor | TiledWeight | None = None, taps: Sequence[int] = ()) -> Tensor | tuple[Tensor, Tensor]:
         """Logits [N, V] for the packed tokens of several cache rows in one forward (a batch's
         verification or drafting step), or for the packed indices `logits_at` only; with
         `taps`, also the tapped layers' features [N, F] (as `forward`).
@@ -780,7 +786,8 @@ class Transformer(nn.Module):
         if (weights := self._kernel_layers(ragged.tokens.numel(), cache)) is not None:
             places = torch.stack([ragged.cache_row_of, ragged.positions[0], key_ends(ragged, block_size, read_end,
                                                                                       context_ends)])
-            rows = list(range(ragged.tokens.numel())) if logits_at is None else logits_at.tolist()
+            every = range(ragged.tokens.numel())
+            rows = list(every) if logits_at is None else [every[j] for j in logits_at.tolist()]
             if (whole := self._whole_forward(weights, ragged.tokens, places, 0, read_end, 0, cache, rows, head_weight,
                                              taps)) is not None:
                 return (whole[0], whole[1]) if taps else whole[0]
