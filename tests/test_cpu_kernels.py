@@ -431,9 +431,10 @@ def test_an_eagle3_step_in_one_call_computes_the_op_by_op_step(tmp_path, monkeyp
 
 @AVX512
 def test_dflash_passes_in_one_call_compute_the_op_by_op_passes(tmp_path, monkeypatch):
-    """Blocks of three rows of a drafter cache (different contexts and widths) in one packed
-    call: hidden states as the op-by-op passes' up to float32 rounding (SDPA there), each row's
-    bit-equal to its pass alone, and the cached context untouched."""
+    """Context writes in one call (`context_kv`) and blocks of three rows of a drafter cache
+    (different contexts and widths) in one packed call: context K/V and hidden states as the
+    op-by-op ones up to float32 rounding (separate k/v products and SDPA there), each row's
+    pass bit-equal to its pass alone, and the cached context untouched by the passes."""
     target_cfg = tiny_config(vocab_size=120, intermediate_size=96)
     target = load_model(write_model(tmp_path / "t", target_cfg, seed=0)).model
     drafter = load_model(write_model(tmp_path / "d", tiny_dflash_config(target_cfg, num_hidden_layers=2), seed=1)).model
@@ -455,16 +456,16 @@ def test_dflash_passes_in_one_call_compute_the_op_by_op_passes(tmp_path, monkeyp
         assert [view.length for view in views] == lengths
         kept = all(torch.equal(a[r, :, :n], b[r, :, :n]) for a, b in zip(context, cache.keys + cache.values)
                    for r, n in enumerate(lengths))
-        return out, alone, kept
+        return out, alone, kept, [t[r, :, :n] for t in context for r, n in enumerate(lengths)]
 
     with torch.inference_mode():
-        fused, alone, kept = passes()
+        fused, alone, kept, context = passes()
         with monkeypatch.context() as patch:
             patch.setattr(DFlashModel, "_kernel_weights", lambda *args: None)
-            reference_, _, _ = passes()
+            reference_, _, _, reference_context = passes()
     assert kept
     assert all(torch.equal(a, b) for a, b in zip(fused, alone, strict=True))
-    for a, b in zip(fused, reference_, strict=True):
+    for a, b in zip(fused + context, reference_ + reference_context, strict=True):  # passes, then context K/V
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 

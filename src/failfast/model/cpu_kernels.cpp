@@ -379,6 +379,16 @@ struct Places {
   std::vector<int64_t> row, pos, keys, rope;
 };
 
+// One head of a q/k/v row: normed in place (Qwen3's per-head norm; none where null), then
+// rotated (RoPE rows c and sn) into dst.
+inline void rotate_head(float* head, const float* norm, const float* c, const float* sn, float* dst, int64_t D,
+                        float eps) {
+  if (norm) rms_norm_row(head, norm, head, D, eps);
+  const int64_t half = D / 2;
+  rotate_half(head, head + half, c, sn, dst, half);
+  rotate_half(head + half, head, c + half, sn + half, dst + half, half);
+}
+
 // One Qwen2/Qwen3 decoder layer of float32 inference over a KV cache in one call: what
 // model/transformer.py's `DecoderLayer.forward` computes with the kernels above, the same
 // kernels in the same order (so the same bits), without its ~25 dispatched ops. x holds M
@@ -405,7 +415,7 @@ torch::Tensor layer(const torch::Tensor& x, const Places& at, const torch::Tenso
     TORCH_CHECK(c->dim() == 4 && c->scalar_type() == torch::kFloat && c->device().is_cpu() && c->stride(3) == 1 &&
                     c->sizes() == cache_k.sizes(),
                 "caches must be float32 [rows, kv_heads, capacity, head_dim] with a contiguous last dimension");
-  const int64_t G = cache_k.size(1), D = cache_k.size(3), H = heads, half = D / 2;
+  const int64_t G = cache_k.size(1), D = cache_k.size(3), H = heads;
   TORCH_CHECK(G > 0 && H > 0 && H % G == 0 && D > 0 && D <= 128 && D % 2 == 0,
               "decoder_layer: heads must be a multiple of the cache's kv heads, head_dim even and at most 128");
   int64_t widest = 0;
@@ -452,12 +462,9 @@ torch::Tensor layer(const torch::Tensor& x, const Places& at, const torch::Tenso
     const float* sn = signed_sin.data_ptr<float>() + at.rope[r] * D;
     float* row = qkv.data() + r * QKV;
     for (int64_t i = 0; i < H + G; ++i) {
-      float* head = row + i * D;
       const bool is_query = i < H;
-      if (const float* norm = is_query ? qn : kn) rms_norm_row(head, norm, head, D, e);
-      float* dst = is_query ? q.data() + (r * H + i) * D : kp + at.row[r] * k0 + (i - H) * k1 + at.pos[r] * k2;
-      rotate_half(head, head + half, c, sn, dst, half);
-      rotate_half(head + half, head, c + half, sn + half, dst + half, half);
+      rotate_head(row + i * D, is_query ? qn : kn, c, sn,
+                  is_query ? q.data() + (r * H + i) * D : kp + at.row[r] * k0 + (i - H) * k1 + at.pos[r] * k2, D, e);
     }
     for (int64_t g = 0; g < G; ++g)
       std::copy_n(row + (H + G + g) * D, D, vp + at.row[r] * v0 + g * v1 + at.pos[r] * v2);
@@ -640,6 +647,60 @@ std::vector<torch::Tensor> stack_forward(const LayerStack& stack, const std::vec
   return {logits, features};
 }
 
+// context_kv: a target-conditioned drafter's context (model/dflash.py, `write_context`) in one
+// call: target features [T, F] fused (their product with fc's tiles, then the RMSNorm
+// `hidden_norm`), and each layer's keys (normed for Qwen3, rotated) and values of the fused
+// rows written into its cache at positions start .. start+T-1 of cache row 0. A layer's keys
+// and values come from its fused q/k/v product, its queries dropped: one product of tiles.
+void context_kv(const LayerStack& stack, const torch::Tensor& features, const torch::Tensor& fc_tiles,
+                const torch::Tensor& hidden_norm, double eps, const torch::Tensor& cos, const torch::Tensor& signed_sin,
+                const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values, int64_t start) {
+  TORCH_CHECK(features.dim() == 2 && features.is_contiguous() && features.scalar_type() == torch::kFloat &&
+                  features.device().is_cpu(),
+              "context_kv: features must be a contiguous float32 CPU matrix [T, F]");
+  const int64_t T = features.size(0), F = features.size(1), E = hidden_norm.numel(),
+                L = static_cast<int64_t>(stack.layers.size());
+  check_vector(hidden_norm, E, "hidden_norm");
+  check_tiles(fc_tiles, F, E, "fc_tiles");
+  TORCH_CHECK(static_cast<int64_t>(keys.size()) == L && static_cast<int64_t>(values.size()) == L,
+              "context_kv: one key and one value cache per layer");
+  for (const auto* table : {&cos, &signed_sin})
+    TORCH_CHECK(table->is_contiguous() && table->scalar_type() == torch::kFloat && table->dim() == 2 &&
+                    table->size(0) >= start + T && table->device().is_cpu(),
+                "context_kv: RoPE tables must be contiguous float32 [positions, head_dim] covering the positions");
+  std::vector<float> fused(T * E);
+  tiled_product(features.data_ptr<float>(), T, F, fc_tiles, E, fused.data(), nullptr);
+  for (int64_t r = 0; r < T; ++r)
+    rms_norm_row(fused.data() + r * E, hidden_norm.data_ptr<float>(), fused.data() + r * E, E, static_cast<float>(eps));
+  for (int64_t i = 0; i < L; ++i) {
+    const auto& [input_norm, qkv_tiles, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down, layer_eps] =
+        stack.layers[i];
+    const torch::Tensor &cache_k = keys[i], &cache_v = values[i];
+    for (const auto* c : {&cache_k, &cache_v})
+      TORCH_CHECK(c->dim() == 4 && c->scalar_type() == torch::kFloat && c->device().is_cpu() && c->stride(3) == 1 &&
+                      c->sizes() == cache_k.sizes() && start >= 0 && start + T <= c->size(2),
+                  "context_kv: caches must be float32 [rows, kv_heads, capacity, head_dim] with room for the positions");
+    const int64_t G = cache_k.size(1), D = cache_k.size(3), H = stack.heads, QKV = (H + 2 * G) * D;
+    TORCH_CHECK(cos.size(1) == D && signed_sin.size(1) == D && D % 2 == 0, "context_kv: RoPE tables of head_dim");
+    check_tiles(qkv_tiles, E, QKV, "qkv_tiles");
+    const float* bias = optional_floats(qkv_bias, QKV, "qkv_bias");
+    const float* kn = optional_floats(k_norm, D, "k_norm");
+    std::vector<float> qkv(T * QKV);
+    tiled_product(fused.data(), T, E, qkv_tiles, QKV, qkv.data(), bias);
+    float* kp = cache_k.data_ptr<float>();
+    float* vp = cache_v.data_ptr<float>();
+    for (int64_t r = 0; r < T; ++r) {
+      const int64_t p = start + r;
+      float* row = qkv.data() + r * QKV;
+      for (int64_t g = 0; g < G; ++g) {
+        rotate_head(row + (H + g) * D, kn, cos.data_ptr<float>() + p * D, signed_sin.data_ptr<float>() + p * D,
+                    kp + g * cache_k.stride(1) + p * cache_k.stride(2), D, static_cast<float>(layer_eps));
+        std::copy_n(row + (H + G + g) * D, D, vp + g * cache_v.stride(1) + p * cache_v.stride(2));
+      }
+    }
+  }
+}
+
 }  // namespace
 
 // The kernels touch no Python object: other Python threads (a server's) run meanwhile.
@@ -668,5 +729,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("block_size"), py::arg("embedding"), py::arg("cos"), py::arg("signed_sin"), py::arg("keys"),
         py::arg("values"), py::arg("norm"), py::arg("eps"), py::arg("head_tiles"), py::arg("vocab"),
         py::arg("logits_at"), py::arg("taps"));
+  m.def("context_kv", &context_kv, release(),
+        "a target-conditioned drafter's context: fused features, then every layer's keys and values into its cache");
   m.def("attend", &attend, release(), "attention of float32 q [B, H, T, D] to k, v [B, G, S, D] under a boolean mask [B, T, S]");
 }

@@ -21,8 +21,10 @@ from failfast.errors import IncompatibleModelsError
 from failfast.model.borrowed import BorrowsTargetParts
 from failfast.model.config import ModelConfig
 from failfast.model.kv_cache import KVCache
+from failfast.model import cpu_kernels
+from failfast.model.tiled import TiledWeight
 from failfast.model.transformer import (DecoderLayer, KernelLayers, LayerKernelWeights, Linear, RMSNorm, Rotary,
-                                        kernel_layer_weights)
+                                        kept_layer_stack, kernel_layer_weights)
 
 
 class DFlashLayer(DecoderLayer):
@@ -76,13 +78,24 @@ class DFlashModel(BorrowsTargetParts):
 
     def write_context(self, features: Tensor, start: int, cache: KVCache) -> None:
         """Cache the context K/V of target features [1, T, F] at positions start..start+T-1
-        (the cache must hold exactly [0, start))."""
+        (the cache must hold exactly [0, start)); one kernel call where the layers run on the
+        kernels (`context_kv`: each layer's keys and values from its fused q/k/v product, so
+        they round unlike the separate projections, which only changes what is proposed)."""
         if start != cache.length:
             raise ValueError(f"context at position {start} but the drafter cache holds {cache.length}")
         t = features.shape[1]
-        positions = torch.arange(start, start + t, device=features.device)
-        for i, (k, v) in enumerate(self.context_kv(self.fuse(features.to(self.dtype)), positions)):
-            cache.write(i, start, k, v)
+        fc = self.fc.fresh_packed()
+        if (isinstance(fc, TiledWeight) and features.shape[0] == 1 and start + t <= cache.capacity
+                and self.hidden_norm.weight.dtype == torch.float32
+                and (weights := self._kernel_weights(cache, t)) is not None):  # one kernel call
+            cos, signed_sin = self.rotary.tables(start + t, torch.float32)
+            cpu_kernels.kernels().context_kv(  # type: ignore[union-attr]
+                kept_layer_stack(self, weights), features[0].to(self.dtype).contiguous(), fc.tiles,
+                self.hidden_norm.weight, self.hidden_norm.eps, cos, signed_sin, cache.keys, cache.values, start)
+        else:
+            positions = torch.arange(start, start + t, device=features.device)
+            for i, (k, v) in enumerate(self.context_kv(self.fuse(features.to(self.dtype)), positions)):
+                cache.write(i, start, k, v)
         cache.length = start + t
 
     def hidden(self, tokens: Tensor, positions: Tensor, context: list[tuple[Tensor, Tensor]],

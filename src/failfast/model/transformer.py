@@ -547,6 +547,18 @@ def kept_kernel_weights(owner: nn.Module,
     return plan.weights
 
 
+def kept_layer_stack(owner: nn.Module, weights: list[LayerKernelWeights]) -> object:
+    """`weights` as the kernels' `LayerStack` (what `stack_forward` and `context_kv` take),
+    kept on `owner` while they are its kept kernel weights (the same list object)."""
+    kept = owner.__dict__.get("_layer_stack")
+    if kept is None or kept[0] is not weights:
+        cfg = owner.config  # type: ignore[union-attr]
+        stack = cpu_kernels.kernels().LayerStack(  # type: ignore[union-attr]
+            [tuple(w[:10]) for w in weights], cfg.num_attention_heads, cfg.head_dim ** -0.5)
+        kept = owner.__dict__["_layer_stack"] = (weights, stack)
+    return kept[1]
+
+
 def key_ends(ragged: Ragged, block_size: int | None, read_end: int, context_ends: list[int] | None) -> Tensor:
     """Where each packed token's keys end (`attention_mask`'s keys as a range): after its own
     position (causal) or at the end of its block and the forward's read end (block diffusion),
@@ -747,14 +759,9 @@ class Transformer(nn.Module):
                 and embedding.dtype == norm.weight.dtype == torch.float32 and embedding.is_contiguous()
                 and len(rows) <= MAX_ROWS):
             return None
-        kept = self.__dict__.get("_layer_stack")
-        if kept is None or kept[0] is not weights:  # a stack per set of kept weights
-            stack = cpu_kernels.kernels().LayerStack(  # type: ignore[union-attr]
-                [tuple(w[:10]) for w in weights], self.config.num_attention_heads, self.config.head_dim ** -0.5)
-            kept = self.__dict__["_layer_stack"] = (weights, stack)
         cos, signed_sin = self.rotary.tables(read_end, torch.float32)
         return cpu_kernels.kernels().stack_forward(  # type: ignore[union-attr]
-            kept[1], tokens.reshape(-1).tolist(), tokens.shape[0], places, start, read_end, block_size, embedding, cos,
+            kept_layer_stack(self, weights), tokens.reshape(-1).tolist(), tokens.shape[0], places, start, read_end, block_size, embedding, cos,
             signed_sin, cache.keys, cache.values, norm.weight, norm.eps, head.tiles, head.weight.shape[0], rows,
             list(taps))
 
