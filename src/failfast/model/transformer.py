@@ -761,16 +761,17 @@ class Transformer(nn.Module):
             return None
         cos, signed_sin = self.rotary.tables(read_end, torch.float32)
         return cpu_kernels.kernels().stack_forward(  # type: ignore[union-attr]
-            kept_layer_stack(self, weights), tokens.reshape(-1).tolist(), tokens.shape[0], places, start, read_end, block_size, embedding, cos,
-            signed_sin, cache.keys, cache.values, norm.weight, norm.eps, head.tiles, head.weight.shape[0], rows,
-            list(taps))
+            kept_layer_stack(self, weights), tokens.reshape(-1).tolist(), tokens.shape[0], places, start, read_end,
+            block_size, embedding, cos, signed_sin, cache.keys, cache.values, norm.weight, norm.eps, head.tiles,
+            head.weight.shape[0], rows, list(taps))
 
     def _head(self, hidden: Tensor, head_weight: Tensor | TiledWeight | None) -> Tensor:
         return self.lm_head(hidden) if head_weight is None else linear(hidden, head_weight)
 
     def forward_ragged(self, ragged: Ragged, cache: KVCache, *, block_size: int | None = None,
                        context_ends: list[int] | None = None, logits_at: Tensor | None = None,
-                       head_weight: Tensor | TiledWeight | None = None, taps: Sequence[int] = ()) -> Tensor | tuple[Tensor, Tensor]:
+                       head_weight: Tensor | TiledWeight | None = None,
+                       taps: Sequence[int] = ()) -> Tensor | tuple[Tensor, Tensor]:
         """Logits [N, V] for the packed tokens of several cache rows in one forward (a batch's
         verification or drafting step), or for the packed indices `logits_at` only; with
         `taps`, also the tapped layers' features [N, F] (as `forward`).
