@@ -87,10 +87,10 @@ class DFlashModel(BorrowsTargetParts):
         fc = self.fc.fresh_packed()
         if (isinstance(fc, TiledWeight) and features.shape[0] == 1 and start + t <= cache.capacity
                 and self.hidden_norm.weight.dtype == torch.float32
-                and (weights := self._kernel_weights(cache, t)) is not None):  # one kernel call
+                and self._kernel_weights(cache, t) is not None):  # one kernel call
             cos, signed_sin = self.rotary.tables(start + t, torch.float32)
             cpu_kernels.kernels().context_kv(  # type: ignore[union-attr]
-                kept_layer_stack(self, weights), features[0].to(self.dtype).contiguous(), fc.tiles,
+                kept_layer_stack(self), features[0].to(self.dtype).contiguous(), fc.tiles,
                 self.hidden_norm.weight, self.hidden_norm.eps, cos, signed_sin, cache.keys, cache.values, start)
         else:
             positions = torch.arange(start, start + t, device=features.device)

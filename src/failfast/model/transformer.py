@@ -9,7 +9,7 @@ causal (a query at q sees keys k <= q) and block diffusion (q sees k iff q//B >=
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Callable, NamedTuple, Sequence
 
@@ -520,6 +520,7 @@ class KernelPlan:
     weights: list[LayerKernelWeights] | None
     tensors: list[Tensor]
     state: tuple | None
+    stack: list = field(default_factory=list)  # the weights as the kernels' LayerStack, once built
 
     @staticmethod
     def state_of(tensors: list[Tensor]) -> tuple | None:
@@ -547,16 +548,15 @@ def kept_kernel_weights(owner: nn.Module,
     return plan.weights
 
 
-def kept_layer_stack(owner: nn.Module, weights: list[LayerKernelWeights]) -> object:
-    """`weights` as the kernels' `LayerStack` (what `stack_forward` and `context_kv` take),
-    kept on `owner` while they are its kept kernel weights (the same list object)."""
-    kept = owner.__dict__.get("_layer_stack")
-    if kept is None or kept[0] is not weights:
+def kept_layer_stack(owner: nn.Module) -> object:
+    """The owner's kept kernel weights (`kept_kernel_weights`, just read) as the kernels'
+    `LayerStack` (what `stack_forward` and `context_kv` take), built once per plan."""
+    plan = owner.__dict__["_kernel_plan"]
+    if not plan.stack:
         cfg = owner.config  # type: ignore[union-attr]
-        stack = cpu_kernels.kernels().LayerStack(  # type: ignore[union-attr]
-            [tuple(w[:10]) for w in weights], cfg.num_attention_heads, cfg.head_dim ** -0.5)
-        kept = owner.__dict__["_layer_stack"] = (weights, stack)
-    return kept[1]
+        plan.stack.append(cpu_kernels.kernels().LayerStack(  # type: ignore[union-attr]
+            [tuple(w[:10]) for w in plan.weights], cfg.num_attention_heads, cfg.head_dim ** -0.5))
+    return plan.stack[0]
 
 
 def key_ends(ragged: Ragged, block_size: int | None, read_end: int, context_ends: list[int] | None) -> Tensor:
@@ -717,8 +717,8 @@ class Transformer(nn.Module):
             picked = range(t)[logits_at] if isinstance(logits_at, slice) else range(t) if logits_at is None else [
                 range(t)[j] for j in logits_at]  # range's indexing: negative indices count back, others raise
             rows = [i * t + j for i in range(b) for j in picked]
-            if (whole := self._whole_forward(weights, tokens, None, start, end, block_size or 0, cache, rows,
-                                             head_weight, taps)) is not None:
+            if (whole := self._whole_forward(tokens, None, start, end, block_size or 0, cache, rows, head_weight,
+                                             taps)) is not None:
                 if commit:
                     cache.length = start + t
                 logits = whole[0].view(b, len(picked), whole[0].shape[-1])
@@ -738,21 +738,17 @@ class Transformer(nn.Module):
 
     def _kernel_layers(self, rows: int, cache: KVCache) -> list[LayerKernelWeights] | None:
         """Every layer's weights for one kernel call per layer in a forward of `rows` tokens over
-        `cache` (`kernel_layer_weights`). Off that path, a kept `LayerStack` is let go (it holds
-        the tiles of weights that may be replaced)."""
-        weights = kernel_layer_weights(self, self.model.layers, rows, cache)
-        if weights is None:
-            self.__dict__.pop("_layer_stack", None)
-        return weights
+        `cache` (`kernel_layer_weights`)."""
+        return kernel_layer_weights(self, self.model.layers, rows, cache)
 
-    def _whole_forward(self, weights: list[LayerKernelWeights], tokens: Tensor, places: Tensor | None, start: int,
-                       read_end: int, block_size: int, cache: KVCache, rows: list[int],
-                       head_weight: Tensor | TiledWeight | None, taps: Sequence[int]) -> list[Tensor] | None:
+    def _whole_forward(self, tokens: Tensor, places: Tensor | None, start: int, read_end: int, block_size: int,
+                       cache: KVCache, rows: list[int], head_weight: Tensor | TiledWeight | None,
+                       taps: Sequence[int]) -> list[Tensor] | None:
         """[logits [len(rows), V] of the forward's tokens `rows` (flat indices), the tapped
         layers' outputs [N, F]] in one kernel call (`cpu_kernels.stack_forward`: embedding, every
         layer, final norm and head; docs/design.md, "One call per forward"), the same bits as
-        one kernel call per layer; None where that call does not serve (an untiled head, an
-        embedding or norm not in float32)."""
+        one kernel call per layer, with the layer weights `_kernel_layers` has just kept; None
+        where that call does not serve (an untiled head, an embedding or norm not in float32)."""
         head = self.lm_head.fresh_packed() if head_weight is None else head_weight
         embedding, norm = self.model.embed_tokens.weight, self.model.norm
         if not (isinstance(head, TiledWeight) and (head_weight is not None or self.lm_head.bias is None)
@@ -761,7 +757,7 @@ class Transformer(nn.Module):
             return None
         cos, signed_sin = self.rotary.tables(read_end, torch.float32)
         return cpu_kernels.kernels().stack_forward(  # type: ignore[union-attr]
-            kept_layer_stack(self, weights), tokens.reshape(-1).tolist(), tokens.shape[0], places, start, read_end,
+            kept_layer_stack(self), tokens.reshape(-1).tolist(), tokens.shape[0], places, start, read_end,
             block_size, embedding, cos, signed_sin, cache.keys, cache.values, norm.weight, norm.eps, head.tiles,
             head.weight.shape[0], rows, list(taps))
 
@@ -796,7 +792,7 @@ class Transformer(nn.Module):
                                                                                       context_ends)])
             every = range(ragged.tokens.numel())
             rows = list(every) if logits_at is None else [every[j] for j in logits_at.tolist()]
-            if (whole := self._whole_forward(weights, ragged.tokens, places, 0, read_end, 0, cache, rows, head_weight,
+            if (whole := self._whole_forward(ragged.tokens, places, 0, read_end, 0, cache, rows, head_weight,
                                              taps)) is not None:
                 return (whole[0], whole[1]) if taps else whole[0]
             kernel_layers = KernelLayers(weights, self.config.num_attention_heads, self.config.head_dim ** -0.5,
