@@ -511,3 +511,45 @@ def test_a_whole_forward_in_one_call_computes_the_bits_of_one_call_per_layer(tmp
             per_layer = forwards()
     assert [t.shape for t in whole] == [t.shape for t in per_layer]
     assert all(torch.equal(a, b) for a, b in zip(whole, per_layer, strict=True))
+
+
+@AVX512
+def test_row_picks_are_each_rows_argmax_and_softmax_probability():
+    """The first index of the largest value among the first `limit` columns (ties and NaN as
+    `argmax` has them), and its softmax probability within float32 rounding."""
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(0)) * 4
+    logits[1, 7] = logits[1, 250] = logits[1].max() + 1  # a tie: the first one wins
+    logits[2, 200:] = 50.0  # past the limit: never picked
+    logits[3] = float("-inf")
+    logits[3, 123] = -5.0  # one finite value: probability 1
+    logits[4, 17] = logits[4, 33] = float("nan")  # argmax takes the first NaN
+    limit = 250
+    ids, confs = cpu_kernels.kernels().row_picks(logits, limit, True)
+    seen = logits[:, :limit]
+    assert ids == seen.argmax(-1).tolist() and ids[1] == 7 and ids[3] == 123 and ids[4] == 17
+    expected = torch.softmax(seen.double(), dim=-1).max(dim=-1).values
+    torch.testing.assert_close(torch.tensor(confs[:4] + confs[5:], dtype=torch.float64),
+                               torch.cat([expected[:4], expected[5:]]), rtol=1e-6, atol=0)
+    assert confs[3] == 1.0 and confs[4] != confs[4]  # NaN
+    assert cpu_kernels.kernels().row_picks(logits, limit, False) == (ids, [])
+    with pytest.raises(RuntimeError, match="limit"):
+        cpu_kernels.kernels().row_picks(logits, 301, False)
+
+
+@AVX512
+def test_greedy_picks_of_float32_logits_are_the_torch_picks(random_models):
+    """`greedy_tokens` and a drafter's `picks` take the kernel for float32 logits: the same tokens
+    as PyTorch's argmax and softmax over float64 logits, the drafter's through its draft
+    vocabulary; the kernel is what ran (its probabilities are float32's, not float64's)."""
+    from failfast.decode.sampling import greedy_tokens
+    from failfast.drafters.base import ModelDrafter
+
+    logits = torch.randn(5, 96, generator=torch.Generator().manual_seed(1))
+    assert greedy_tokens(logits) == greedy_tokens(logits.double()) == logits.argmax(-1).tolist()
+    drafter = ModelDrafter(load_model(random_models["random-ar"]), 96, draft_vocab=range(0, 96, 3))
+    reduced = logits[:, :32]
+    tokens, confs = drafter.picks(reduced, range(5))
+    wide_tokens, wide_confs = drafter.picks(reduced.double(), range(5))
+    assert tokens == wide_tokens == [3 * i for i in reduced.argmax(-1).tolist()]
+    torch.testing.assert_close(torch.tensor(confs), torch.tensor(wide_confs), rtol=1e-6, atol=0)
+    assert confs != wide_confs

@@ -32,9 +32,9 @@ class ARDrafter(ChainDrafter, ModelDrafter):
         """Take the prediction after the pending tokens (whose K/V are now cached)."""
         self.cache_ids.extend(self._pending)
         self.forwards += 1
-        tok, conf = self.pick(logits, [len(self.cache_ids)])
-        self._pending = [int(tok)]
-        return int(tok), float(conf)
+        [tok], [conf] = self.picks(logits[None], [len(self.cache_ids)])
+        self._pending = [tok]
+        return tok, conf
 
     def _next(self) -> tuple[int, float]:
         logits = self.model(self._tensor(self._pending), self.cache.length, self.cache, logits_at=slice(-1, None),

@@ -7,7 +7,7 @@ from typing import Protocol, Sequence
 import torch
 from torch import Tensor
 
-from failfast.decode.sampling import Sampler
+from failfast.decode.sampling import Sampler, row_picks
 from failfast.errors import GenerationInputError, IncompatibleModelsError
 from failfast.model import LoadedModel
 from failfast.model.kv_cache import KVCache
@@ -108,6 +108,20 @@ class ModelDrafter:
             return tok.reshape(logits.shape[:-1]), conf.reshape(logits.shape[:-1])
         conf, index = torch.softmax(logits.float(), dim=-1).max(dim=-1)
         return (self.vocab_ids[index] if self.vocab_ids is not None else index), conf
+
+    def picks(self, logits: Tensor, positions: Sequence[int]) -> tuple[list[int], list[float]]:
+        """`pick` for logits [N, V] as host lists. A greedy, unpenalized pick of float32 logits
+        on an AVX-512 CPU is one kernel call (`sampling.row_picks`) instead of a softmax, a max
+        and host reads: its confidences round like the kernel's exp, not PyTorch's softmax,
+        which may change a draft but never what is committed."""
+        greedy = self.sampler is None or (self.sampler.params.greedy and not self.sampler.params.penalized)
+        limit = logits.shape[-1] if self.vocab_ids is not None else self.vocab_limit
+        if greedy and (self.vocab_ids is not None or not self.banned) and (
+                found := row_picks(logits, limit, confidence=True)) is not None:
+            ids, confs = found
+            return ([self.vocab_list[i] for i in ids] if self.vocab_list is not None else ids), confs
+        tok, conf = self.pick(logits, positions)
+        return tok.reshape(-1).tolist(), conf.reshape(-1).tolist()
 
     def _tensor(self, ids: list[int]) -> Tensor:
         return torch.tensor([ids], dtype=torch.long, device=self.model.device)

@@ -157,8 +157,7 @@ class BlockDiffusionDrafter(ModelDrafter):
             self._new_block_scratch()
         s, first = self.sub_block_size, self.ready
         if first == 0 and self.block[0] == self.mask_id:  # the block's first token, AR-style, from the boundary
-            tok, conf = self.pick(self.boundary, [self.cache.length])
-            self.block[0], self.block_confs[0] = int(tok), float(conf)
+            [self.block[0]], [self.block_confs[0]] = self.picks(self.boundary[None], [self.cache.length])
         if self.denoise == "sliding":
             end = min(first + (self.window or max(wanted, 1)), self.block_size)
         else:
@@ -175,11 +174,10 @@ class BlockDiffusionDrafter(ModelDrafter):
         threshold and always the most confident one; the window is decoded when none is left."""
         self.scratch_ids[plan.lo:plan.hi] = self.block[plan.lo:plan.hi]
         self.forwards += 1
-        tok, conf = self.pick(logits, [self.cache.length + j for j in plan.masked])
-        chosen = (conf > self.unmask_threshold)
-        chosen[conf.argmax()] = True
-        for j, t, c, take in zip(plan.masked, tok.tolist(), conf.tolist(), chosen.tolist()):
-            if take:
+        tokens, confs = self.picks(logits, [self.cache.length + j for j in plan.masked])
+        surest = max(range(len(confs)), key=confs.__getitem__)  # the first of equals, as argmax
+        for i, (j, t, c) in enumerate(zip(plan.masked, tokens, confs)):
+            if c > self.unmask_threshold or i == surest:
                 self.block[j], self.block_confs[j] = t, c
         if all(self.block[j] != self.mask_id for j in plan.masked):
             self.ready = plan.end

@@ -84,10 +84,10 @@ class DFlashDrafter(TargetFeatureDrafter):
         """Decode a pass's final hidden states [W, hidden] at its masks."""
         out = hidden[-masks:]
         first = self.cache.length + len(self.window)  # window token w sits at position cache.length + w
-        tok, conf = self.pick(self.model.lm_head(out) if self.head_weight is None else linear(out, self.head_weight),
-                              range(first, first + masks))
-        self.window += tok.tolist()
-        self.window_confs += conf.tolist()
+        tokens, confs = self.picks(self.model.lm_head(out) if self.head_weight is None else linear(out, self.head_weight),
+                                   range(first, first + masks))
+        self.window += tokens
+        self.window_confs += confs
         self.passes += 1
         self.forwards += 1
 

@@ -76,12 +76,11 @@ class Eagle3Drafter(ChainDrafter, TargetFeatureDrafter):
         """The token a step's output [1, 1, hidden] predicts; it and the output feed the next step."""
         self.hidden = output
         h = self.model.logits_input(output)[0, -1]
-        tok, conf = self.pick(self.model.lm_head(h) if self.head_weight is None else linear(h, self.head_weight),
-                              [self.next_position])
+        logits = self.model.lm_head(h) if self.head_weight is None else linear(h, self.head_weight)
+        [self.next_token], [conf] = self.picks(logits[None], [self.next_position])
         self.next_position += 1
         self.forwards += 1
-        self.next_token = int(tok)
-        return self.next_token, float(conf)
+        return self.next_token, conf
 
     def _next(self) -> tuple[int, float]:
         return self._take(self.model.step(self._tensor([self.next_token]), self.hidden, self.cache))

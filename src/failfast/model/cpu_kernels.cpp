@@ -701,6 +701,52 @@ void context_kv(const LayerStack& stack, const torch::Tensor& features, const to
   }
 }
 
+// row_picks: for each row of float32 logits [R, V], the first index of its largest value among
+// the first `limit` columns (a NaN counts as largest, as PyTorch's argmax has it) and, with
+// `confidence`, that value's softmax probability 1 / sum_j e^(l_j - max) (exp16's rounding,
+// not PyTorch's softmax). A greedy verification or drafting step reads these from the logits
+// the forward just wrote, instead of several PyTorch ops on cold caches (~60 us each).
+std::pair<std::vector<int64_t>, std::vector<double>> row_picks(const torch::Tensor& logits, int64_t limit,
+                                                               bool confidence) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == torch::kFloat &&
+                  logits.device().is_cpu(), "logits must be a contiguous float32 CPU matrix");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(limit >= 1 && limit <= V, "limit must be in [1, ", V, "]");
+  std::vector<int64_t> ids(R);
+  std::vector<double> confs(confidence ? R : 0);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* row = logits.data_ptr<float>() + r * V;
+    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __mmask16 nan = 0;
+    int64_t i = 0;
+    for (; i < limit && !nan; i += 16) {
+      const __mmask16 lanes = first_lanes(limit - i);
+      const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), lanes, row + i);
+      nan = _mm512_mask_cmp_ps_mask(lanes, v, v, _CMP_UNORD_Q);
+      top = _mm512_max_ps(top, v);
+    }
+    if (nan) {  // the first NaN (the block that had one is the last read)
+      ids[r] = i - 16 + __builtin_ctz(nan);
+      if (confidence) confs[r] = std::numeric_limits<double>::quiet_NaN();
+      continue;
+    }
+    const float best = _mm512_reduce_max_ps(top);
+    int64_t at = 0;
+    while (row[at] != best) ++at;
+    ids[r] = at;
+    if (!confidence) continue;
+    const __m512 shift = _mm512_set1_ps(best);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < limit; j += 16) {
+      const __mmask16 lanes = first_lanes(limit - j);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, row + j), shift));
+      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(lanes, e));
+    }
+    confs[r] = 1.0 / static_cast<double>(_mm512_reduce_add_ps(sum));
+  }
+  return {std::move(ids), std::move(confs)};
+}
+
 }  // namespace
 
 // The kernels touch no Python object: other Python threads (a server's) run meanwhile.
@@ -731,5 +777,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("logits_at"), py::arg("taps"));
   m.def("context_kv", &context_kv, release(),
         "a target-conditioned drafter's context: fused features, then every layer's keys and values into its cache");
+  m.def("row_picks", &row_picks, release(),
+        "each float32 logits row's argmax among its first `limit` columns and, with `confidence`, its softmax probability",
+        py::arg("logits"), py::arg("limit"), py::arg("confidence"));
   m.def("attend", &attend, release(), "attention of float32 q [B, H, T, D] to k, v [B, G, S, D] under a boolean mask [B, T, S]");
 }
