@@ -532,6 +532,9 @@ def test_row_picks_are_each_rows_argmax_and_softmax_probability():
                                torch.cat([expected[:4], expected[5:]]), rtol=1e-6, atol=0)
     assert confs[3] == 1.0 and confs[4] != confs[4]  # NaN
     assert cpu_kernels.kernels().row_picks(logits, limit, False) == (ids, [])
+    assert cpu_kernels.kernels().row_picks(logits, None, False)[0][2] == 200  # no limit: every column
+    for other in (logits.double(), logits.t(), logits[0], logits[:, :0]):  # PyTorch picks these
+        assert cpu_kernels.kernels().row_picks(other, None, False) is None
     with pytest.raises(RuntimeError, match="limit"):
         cpu_kernels.kernels().row_picks(logits, 301, False)
 
@@ -547,9 +550,27 @@ def test_greedy_picks_of_float32_logits_are_the_torch_picks(random_models):
     logits = torch.randn(5, 96, generator=torch.Generator().manual_seed(1))
     assert greedy_tokens(logits) == greedy_tokens(logits.double()) == logits.argmax(-1).tolist()
     drafter = ModelDrafter(load_model(random_models["random-ar"]), 96, draft_vocab=range(0, 96, 3))
-    reduced = logits[:, :32]
+    reduced = logits[:, :32].contiguous()
     tokens, confs = drafter.picks(reduced, range(5))
     wide_tokens, wide_confs = drafter.picks(reduced.double(), range(5))
     assert tokens == wide_tokens == [3 * i for i in reduced.argmax(-1).tolist()]
     torch.testing.assert_close(torch.tensor(confs), torch.tensor(wide_confs), rtol=1e-6, atol=0)
     assert confs != wide_confs
+
+
+@AVX512
+def test_a_parameter_watch_reads_version_counters_and_which_tensors_train():
+    """`KernelPlan`'s state in one call: it moves with an in-place change and with
+    `requires_grad`, and is None where a tensor keeps no version counter."""
+    kernels = cpu_kernels.kernels()
+    a, b = torch.zeros(3), torch.ones(2)
+    watch = kernels.ParameterWatch([a, b])
+    versions, training = kernels.parameter_state(watch)
+    assert training == [] and versions == a._version + b._version
+    b.add_(1)
+    assert kernels.parameter_state(watch) == (versions + 1, [])
+    b.requires_grad_(True)
+    assert kernels.parameter_state(watch) == (versions + 1, [1])
+    with torch.inference_mode():
+        frozen = torch.zeros(1)
+    assert kernels.parameter_state(kernels.ParameterWatch([a, frozen])) is None

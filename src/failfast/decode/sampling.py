@@ -85,22 +85,20 @@ def greedy_tokens(logits: Tensor) -> list[int]:
     caches). Other 16-bit rows on a CPU are widened first, exactly: PyTorch's CPU argmax over
     bfloat16 is a slow path (one 8,192-wide row: 31 us against 11 us widened; 16 rows: 240
     against 70 us, 2 threads)."""
-    if logits.dim() == 2 and (picks := row_picks(logits, logits.shape[-1], confidence=False)) is not None:
+    if (picks := row_picks(logits, None, confidence=False)) is not None:
         return picks[0]
     if logits.device.type == "cpu":
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return logits.argmax(-1).tolist()
 
 
-def row_picks(logits: Tensor, limit: int, *, confidence: bool) -> tuple[list[int], list[float]] | None:
-    """Each row of logits [N, V]: the argmax among the first `limit` columns and, with
-    `confidence`, its softmax probability, as host lists in one kernel call
-    (`cpu_kernels.row_picks`); None where the kernel does not serve (not float32 on an
-    AVX-512 CPU)."""
-    kernels = cpu_kernels.runs_on(logits)
-    if kernels is None or logits.dim() != 2 or logits.shape[0] == 0:
-        return None
-    return kernels.row_picks(logits.contiguous(), limit, confidence)
+def row_picks(logits: Tensor, limit: int | None, *, confidence: bool) -> tuple[list[int], list[float]] | None:
+    """Each row of logits [N, V]: the argmax among the first `limit` columns (None: all) and,
+    with `confidence`, its softmax probability, as host lists in one kernel call
+    (`cpu_kernels.row_picks`); None where the kernel does not serve (no kernels, or not a
+    contiguous float32 CPU matrix)."""
+    kernels = cpu_kernels.kernels()
+    return None if kernels is None else kernels.row_picks(logits, limit, confidence)
 
 
 def token_columns(tokens: Iterable[int], width: int, columns: Sequence[int] | None = None) -> dict[int, int]:

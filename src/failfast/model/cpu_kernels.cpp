@@ -702,15 +702,17 @@ void context_kv(const LayerStack& stack, const torch::Tensor& features, const to
 }
 
 // row_picks: for each row of float32 logits [R, V], the first index of its largest value among
-// the first `limit` columns (a NaN counts as largest, as PyTorch's argmax has it) and, with
+// the first `limit` columns (all without a limit) (a NaN counts as largest, as PyTorch's argmax has it) and, with
 // `confidence`, that value's softmax probability 1 / sum_j e^(l_j - max) (exp16's rounding,
 // not PyTorch's softmax). A greedy verification or drafting step reads these from the logits
-// the forward just wrote, instead of several PyTorch ops on cold caches (~60 us each).
-std::pair<std::vector<int64_t>, std::vector<double>> row_picks(const torch::Tensor& logits, int64_t limit,
-                                                               bool confidence) {
-  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == torch::kFloat &&
-                  logits.device().is_cpu(), "logits must be a contiguous float32 CPU matrix");
-  const int64_t R = logits.size(0), V = logits.size(1);
+// the forward just wrote, instead of several PyTorch ops on cold caches (~60 us each). None
+// where the logits are not a contiguous float32 CPU matrix with a column: PyTorch picks then
+// (the checks are here because reading a tensor's dtype and device from Python cost ~40 us).
+py::object row_picks(const torch::Tensor& logits, c10::optional<int64_t> limit_or_all, bool confidence) {
+  if (!(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == torch::kFloat &&
+        logits.device().is_cpu() && logits.size(1) > 0))
+    return py::none();
+  const int64_t R = logits.size(0), V = logits.size(1), limit = limit_or_all.value_or(V);
   TORCH_CHECK(limit >= 1 && limit <= V, "limit must be in [1, ", V, "]");
   std::vector<int64_t> ids(R);
   std::vector<double> confs(confidence ? R : 0);
@@ -744,7 +746,28 @@ std::pair<std::vector<int64_t>, std::vector<double>> row_picks(const torch::Tens
     }
     confs[r] = 1.0 / static_cast<double>(_mm512_reduce_add_ps(sum));
   }
-  return {std::move(ids), std::move(confs)};
+  return py::make_tuple(ids, confs);
+}
+
+// A model's parameters, to tell cheaply whether any changed in place or changed whether it
+// trains since its kernel weights were read (model/transformer.py, `KernelPlan`): the summed
+// version counters and the indices of those that take gradients, or None where a tensor keeps
+// no version counter (an inference tensor). Summing ~70 counters in Python took ~100 us a
+// forward on the caches the forward had flushed.
+struct ParameterWatch {
+  std::vector<torch::Tensor> tensors;
+};
+
+py::object parameter_state(const ParameterWatch& watch) {
+  int64_t versions = 0;
+  std::vector<int64_t> training;
+  for (size_t i = 0; i < watch.tensors.size(); ++i) {
+    const torch::Tensor& t = watch.tensors[i];
+    if (t.is_inference()) return py::none();
+    versions += static_cast<int64_t>(t._version());
+    if (t.requires_grad()) training.push_back(static_cast<int64_t>(i));
+  }
+  return py::make_tuple(versions, training);
 }
 
 }  // namespace
@@ -777,7 +800,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("logits_at"), py::arg("taps"));
   m.def("context_kv", &context_kv, release(),
         "a target-conditioned drafter's context: fused features, then every layer's keys and values into its cache");
-  m.def("row_picks", &row_picks, release(),
+  py::class_<ParameterWatch>(m, "ParameterWatch", "a model's parameters, whose state parameter_state reads")
+      .def(py::init([](std::vector<torch::Tensor> tensors) { return ParameterWatch{std::move(tensors)}; }));
+  m.def("parameter_state", &parameter_state,
+        "(summed version counters, indices of the parameters that take gradients), or None if one keeps no counter");
+  m.def("row_picks", &row_picks,
         "each float32 logits row's argmax among its first `limit` columns and, with `confidence`, its softmax probability",
         py::arg("logits"), py::arg("limit"), py::arg("confidence"));
   m.def("attend", &attend, release(), "attention of float32 q [B, H, T, D] to k, v [B, G, S, D] under a boolean mask [B, T, S]");

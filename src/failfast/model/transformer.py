@@ -515,22 +515,29 @@ class KernelPlan:
     """A model's `LayerKernelWeights` (None: a layer runs op by op) and the state they were read
     in: the packing generation (which module assignments move too), its parameters' summed
     in-place change counters and which of them take gradients (None where they have no
-    counters: read again every time)."""
+    counters: read again every time). The kernels read that state in one call (`watch`, a
+    `ParameterWatch`), Python where they do not run."""
 
     weights: list[LayerKernelWeights] | None
     tensors: list[Tensor]
     state: tuple | None
+    watch: object | None = None  # the tensors as the kernels' ParameterWatch
     stack: list = field(default_factory=list)  # the weights as the kernels' LayerStack, once built
+    parts: list = field(default_factory=list)  # what a whole forward takes besides (`Transformer._whole_parts`)
 
     @staticmethod
-    def state_of(tensors: list[Tensor]) -> tuple | None:
+    def state_of(tensors: list[Tensor], watch: object | None = None) -> tuple | None:
+        if watch is not None:
+            read = cpu_kernels.kernels().parameter_state(watch)  # type: ignore[union-attr]
+            return None if read is None else (PackedCopies.generation, read[0], tuple(read[1]))
         try:
-            return PackedCopies.generation, sum(map(_VERSION, tensors)), tuple(map(_TRAINS, tensors))
+            return (PackedCopies.generation, sum(map(_VERSION, tensors)),
+                    tuple(i for i, t in enumerate(tensors) if t.requires_grad))
         except RuntimeError:  # inference tensors keep no version counter
             return None
 
     def stale(self) -> bool:
-        return self.state is None or self.state != KernelPlan.state_of(self.tensors)
+        return self.state is None or self.state != KernelPlan.state_of(self.tensors, self.watch)
 
 
 def kept_kernel_weights(owner: nn.Module,
@@ -541,10 +548,12 @@ def kept_kernel_weights(owner: nn.Module,
     plan = owner.__dict__.get("_kernel_plan")
     if plan is None or plan.stale():
         tensors = list(owner.parameters())
-        state = KernelPlan.state_of(tensors)  # before reading: a change meanwhile makes the plan stale
+        kernels = cpu_kernels.kernels()
+        watch = kernels.ParameterWatch(tensors) if kernels is not None else None
+        state = KernelPlan.state_of(tensors, watch)  # before reading: a change meanwhile makes the plan stale
         weights = None if any(t.requires_grad for t in tensors) else read()
         plan = owner.__dict__["_kernel_plan"] = KernelPlan(
-            None if weights is None or None in weights else weights, tensors, state)  # type: ignore[arg-type]
+            None if weights is None or None in weights else weights, tensors, state, watch)  # type: ignore[arg-type]
     return plan.weights
 
 
@@ -749,17 +758,29 @@ class Transformer(nn.Module):
         layer, final norm and head; docs/design.md, "One call per forward"), the same bits as
         one kernel call per layer, with the layer weights `_kernel_layers` has just kept; None
         where that call does not serve (an untiled head, an embedding or norm not in float32)."""
-        head = self.lm_head.fresh_packed() if head_weight is None else head_weight
-        embedding, norm = self.model.embed_tokens.weight, self.model.norm
-        if not (isinstance(head, TiledWeight) and (head_weight is not None or self.lm_head.bias is None)
-                and embedding.dtype == norm.weight.dtype == torch.float32 and embedding.is_contiguous()
-                and len(rows) <= MAX_ROWS):
+        if (parts := self._whole_parts()) is None:
+            return None
+        stack, embedding, norm, eps, default_head = parts
+        head = default_head if head_weight is None else head_weight
+        if not isinstance(head, TiledWeight) or len(rows) > MAX_ROWS:
             return None
         cos, signed_sin = self.rotary.tables(read_end, torch.float32)
         return cpu_kernels.kernels().stack_forward(  # type: ignore[union-attr]
-            kept_layer_stack(self), tokens.reshape(-1).tolist(), tokens.shape[0], places, start, read_end,
-            block_size, embedding, cos, signed_sin, cache.keys, cache.values, norm.weight, norm.eps, head.tiles,
-            head.weight.shape[0], rows, list(taps))
+            stack, tokens.reshape(-1).tolist(), tokens.shape[0], places, start, read_end, block_size, embedding, cos,
+            signed_sin, cache.keys, cache.values, norm, eps, head.tiles, head.weight.shape[0], rows, list(taps))
+
+    def _whole_parts(self) -> tuple | None:
+        """(LayerStack, embedding, final norm weight and eps, the tiled head or None) for
+        `_whole_forward`, read once per kept plan (`_kernel_layers` has just kept it): the
+        module attributes and checks took ~100 us a forward on flushed caches. None where the
+        embedding or the norm is not float32."""
+        plan = self.__dict__["_kernel_plan"]
+        if not plan.parts:
+            embedding, norm, head = self.model.embed_tokens.weight, self.model.norm, self.lm_head.fresh_packed()
+            fits = embedding.dtype == norm.weight.dtype == torch.float32 and embedding.is_contiguous()
+            default_head = head if isinstance(head, TiledWeight) and self.lm_head.bias is None else None
+            plan.parts.append((kept_layer_stack(self), embedding, norm.weight, norm.eps, default_head) if fits else None)
+        return plan.parts[0]
 
     def _head(self, hidden: Tensor, head_weight: Tensor | TiledWeight | None) -> Tensor:
         return self.lm_head(hidden) if head_weight is None else linear(hidden, head_weight)
