@@ -574,3 +574,48 @@ def test_a_parameter_watch_reads_version_counters_and_which_tensors_train():
     with torch.inference_mode():
         frozen = torch.zeros(1)
     assert kernels.parameter_state(kernels.ParameterWatch([a, frozen])) is None
+
+
+@AVX512
+def test_an_eagle3_step_with_its_logits_in_one_call_computes_the_bits_of_its_parts(tmp_path, monkeypatch):
+    """`step_logits` as one stack_forward call (hidden states as the residual input, the layer's
+    output tapped) gives the bits of `step_rows` in one call per layer, then the norm and the
+    head: the target's head and a reduced one, three rows at different positions; the written
+    K/V too. A float64 drafter takes the parts one by one."""
+    from failfast.model.packed import pack_weight
+
+    target_cfg = tiny_config(vocab_size=120, intermediate_size=96)
+    target = load_model(write_model(tmp_path / "t", target_cfg, seed=0)).model
+    drafter = load_model(write_model(tmp_path / "e", tiny_eagle3_config(target_cfg), seed=1)).model
+    drafter.attach(target.model.embed_tokens, target.lm_head)
+    gen = torch.Generator().manual_seed(4)
+    context = torch.randn(3, 8, target_cfg.hidden_size, generator=gen)
+    tokens, hidden = torch.randint(0, 120, (3, 9), generator=gen), torch.randn(3, 1, target_cfg.hidden_size, generator=gen)
+    reduced = pack_weight(target.lm_head.weight[::3].contiguous())
+    assert isinstance(reduced, TiledWeight)
+    calls = []
+    real = cpu_kernels.kernels().stack_forward
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("hidden") is not None)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(cpu_kernels.kernels(), "stack_forward", counting)
+
+    def step(head):
+        cache = drafter.new_cache(16, batch=3)
+        for row, length in enumerate((5, 3, 7)):
+            drafter.write_context(tokens[row:row + 1, :length], context[row:row + 1, :length], 0, cache.row(row))
+        out, logits = drafter.step_logits(tokens[[0, 2, 1], 8:9], hidden, [0, 2, 1], [5, 7, 3], cache, head)
+        return [out, logits, *cache.keys, *cache.values]
+
+    with torch.inference_mode():
+        for head in (None, reduced):
+            whole = step(head)
+            assert calls == [True] and whole[1].shape == (3, 120 if head is None else 40)
+            with monkeypatch.context() as patch:
+                patch.setattr(Eagle3Model, "_whole_step", lambda *args: None)
+                parts = step(head)
+            assert calls == [True]
+            calls.clear()
+            for a, b in zip(whole, parts, strict=True):
+                assert torch.equal(a, b)

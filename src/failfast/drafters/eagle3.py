@@ -21,7 +21,6 @@ from failfast.drafters.target_features import TargetFeatureDrafter
 from failfast.errors import GenerationInputError, IncompatibleModelsError
 from failfast.model import LoadedModel
 from failfast.model.kv_cache import KVCache
-from failfast.model.transformer import linear
 
 
 class Eagle3Drafter(ChainDrafter, TargetFeatureDrafter):
@@ -72,18 +71,20 @@ class Eagle3Drafter(ChainDrafter, TargetFeatureDrafter):
         self.next_token = committed[-1]
         self.next_position = n  # absolute position of the next draft token
 
-    def _take(self, output: Tensor) -> tuple[int, float]:
-        """The token a step's output [1, 1, hidden] predicts; it and the output feed the next step."""
+    def _take(self, output: Tensor, logits: Tensor) -> tuple[int, float]:
+        """The token a step's output [1, 1, hidden] predicts (its logits [1, V']); it and the
+        output feed the next step."""
         self.hidden = output
-        h = self.model.logits_input(output)[0, -1]
-        logits = self.model.lm_head(h) if self.head_weight is None else linear(h, self.head_weight)
-        [self.next_token], [conf] = self.picks(logits[None], [self.next_position])
+        [self.next_token], [conf] = self.picks(logits, [self.next_position])
         self.next_position += 1
         self.forwards += 1
         return self.next_token, conf
 
     def _next(self) -> tuple[int, float]:
-        return self._take(self.model.step(self._tensor([self.next_token]), self.hidden, self.cache))
+        out, logits = self.model.step_logits(self._tensor([self.next_token]), self.hidden, [0], [self.cache.length],
+                                             self.cache, self.head_weight)
+        self.cache.length += 1
+        return self._take(out, logits)
 
     @staticmethod
     def draft_rows(drafters: list["Eagle3Drafter"], wants: dict[int, int],
@@ -92,13 +93,14 @@ class Eagle3Drafter(ChainDrafter, TargetFeatureDrafter):
         their rows of `shared` (`drafters[slot]` drafts into `shared.row(slot)`)."""
         slots = list(wants)
         first = drafters[slots[0]]
-        outputs = first.model.step_rows(
+        outputs, logits = first.model.step_logits(
             torch.tensor([[drafters[s].next_token] for s in slots], device=first.model.device),
-            torch.cat([drafters[s].hidden for s in slots]), slots, [drafters[s].cache.length for s in slots], shared)
+            torch.cat([drafters[s].hidden for s in slots]), slots, [drafters[s].cache.length for s in slots], shared,
+            first.head_weight)
         out = {}
         for i, slot in enumerate(slots):
             d = drafters[slot]
             d.cache.length += 1
-            tok, conf = d._take(outputs[i:i + 1])
+            tok, conf = d._take(outputs[i:i + 1], logits[i:i + 1])
             out[slot] = ([tok], [conf])
         return out

@@ -583,15 +583,20 @@ struct LayerStack {
 // start+T-1 of every cache row (N = B x T, row-major; `grid_places`). RoPE tables cover
 // positions 0.. (a token's row is its position). With `taps` (layer indices, ascending) the
 // result also holds the outputs of those layers at every token, side by side ([N, taps x E]:
-// what a target-conditioned drafter reads).
+// what a target-conditioned drafter reads). With `hidden` [N, E] (an EAGLE-3 step; a one-layer
+// stack) the residual stream starts from it and the embedding rows go beside it into the
+// layer's attention input, normed by `embedded_norm`, as packed_decoder_layer's `embedded`.
 std::vector<torch::Tensor> stack_forward(const LayerStack& stack, const std::vector<int64_t>& tokens, int64_t batch,
                             const c10::optional<torch::Tensor>& places, int64_t start, int64_t read_end,
                             int64_t block_size, const torch::Tensor& embedding, const torch::Tensor& cos,
                             const torch::Tensor& signed_sin, const std::vector<torch::Tensor>& keys,
                             const std::vector<torch::Tensor>& values, const torch::Tensor& norm, double eps,
                             const torch::Tensor& head_tiles, int64_t vocab, const std::vector<int64_t>& logits_at,
-                            const std::vector<int64_t>& taps) {
+                            const std::vector<int64_t>& taps, const c10::optional<torch::Tensor>& hidden,
+                            const c10::optional<torch::Tensor>& embedded_norm) {
   const int64_t N = static_cast<int64_t>(tokens.size()), L = static_cast<int64_t>(stack.layers.size());
+  TORCH_CHECK(hidden.has_value() == embedded_norm.has_value() && (!hidden.has_value() || L == 1),
+              "stack_forward: hidden and embedded_norm come together, for a one-layer stack");
   for (size_t i = 0; i < taps.size(); ++i)
     TORCH_CHECK(taps[i] >= 0 && taps[i] < L && (i == 0 || taps[i] > taps[i - 1]),
                 "stack_forward: taps must be ascending layer indices");
@@ -623,14 +628,25 @@ std::vector<torch::Tensor> stack_forward(const LayerStack& stack, const std::vec
     at = grid_places(batch, N / batch, start, read_end, block_size, true);
   }
   const int64_t rows = places.has_value() ? 1 : batch;
-  auto x = torch::empty({rows, N / rows, E}, embedding.options());
-  for (int64_t n = 0; n < N; ++n) std::copy_n(embedding.data_ptr<float>() + tokens[n] * E, E, x.data_ptr<float>() + n * E);
+  auto embedded = torch::empty({rows, N / rows, E}, embedding.options());
+  for (int64_t n = 0; n < N; ++n)
+    std::copy_n(embedding.data_ptr<float>() + tokens[n] * E, E, embedded.data_ptr<float>() + n * E);
+  torch::Tensor x = embedded;
+  c10::optional<torch::Tensor> beside;  // the embedding beside the hidden states (an EAGLE-3 step)
+  if (hidden.has_value()) {
+    TORCH_CHECK(hidden->dim() == 2 && hidden->size(0) == N && hidden->size(1) == E && hidden->is_contiguous() &&
+                    hidden->scalar_type() == torch::kFloat && hidden->device().is_cpu(),
+                "stack_forward: hidden must be contiguous float32 [N, hidden size] on the CPU");
+    check_vector(*embedded_norm, E, "embedded_norm");
+    x = hidden->view({rows, N / rows, E});
+    beside = embedded;
+  }
   const int64_t F = static_cast<int64_t>(taps.size()) * E;
   auto features = torch::empty({N, F}, embedding.options());
   for (int64_t i = 0, tapped = 0; i < L; ++i) {
     const auto& [input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down, layer_eps] = stack.layers[i];
     x = layer(x, at, input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down, layer_eps, cos, signed_sin,
-              keys[i], values[i], stack.heads, stack.scale, c10::nullopt, c10::nullopt);
+              keys[i], values[i], stack.heads, stack.scale, beside, embedded_norm);
     if (tapped < static_cast<int64_t>(taps.size()) && taps[tapped] == i) {
       for (int64_t n = 0; n < N; ++n)
         std::copy_n(x.data_ptr<float>() + n * E, E, features.data_ptr<float>() + n * F + tapped * E);
@@ -797,7 +813,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("stack"), py::arg("tokens"), py::arg("batch"), py::arg("places"), py::arg("start"), py::arg("read_end"),
         py::arg("block_size"), py::arg("embedding"), py::arg("cos"), py::arg("signed_sin"), py::arg("keys"),
         py::arg("values"), py::arg("norm"), py::arg("eps"), py::arg("head_tiles"), py::arg("vocab"),
-        py::arg("logits_at"), py::arg("taps"));
+        py::arg("logits_at"), py::arg("taps"), py::arg("hidden") = py::none(), py::arg("embedded_norm") = py::none());
   m.def("context_kv", &context_kv, release(),
         "a target-conditioned drafter's context: fused features, then every layer's keys and values into its cache");
   py::class_<ParameterWatch>(m, "ParameterWatch", "a model's parameters, whose state parameter_state reads")

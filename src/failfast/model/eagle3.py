@@ -22,8 +22,9 @@ from failfast.model.borrowed import BorrowsTargetParts
 from failfast.model.config import ModelConfig
 from failfast.model.kv_cache import KVCache
 from failfast.model import cpu_kernels
-from failfast.model.transformer import (MLP, Attention, LayerKernelWeights, Linear, RMSNorm, Rotary, kernel_layer_args,
-                                        kernel_layer_weights, layer_kernel_weights)
+from failfast.model.tiled import TiledWeight
+from failfast.model.transformer import (MLP, Attention, LayerKernelWeights, Linear, RMSNorm, Rotary, kept_layer_stack,
+                                        kernel_layer_args, kernel_layer_weights, layer_kernel_weights, linear)
 
 
 class Eagle3Layer(nn.Module):
@@ -148,6 +149,38 @@ class Eagle3Model(BorrowsTargetParts):
             *args, places, attn.n_heads, attn.head_dim ** -0.5, embedded=embedded.reshape(1, b, -1).contiguous(),
             embedded_norm=w.embedded_norm)
         return out.view(b, 1, -1)
+
+    def step_logits(self, tokens: Tensor, hidden: Tensor, rows: list[int], starts: list[int], cache: KVCache,
+                    head_weight: TiledWeight | Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """`step_rows` and the logits each output predicts [B, V'] (through the target's head,
+        or `head_weight`: a draft vocabulary's rows). Where the layer takes one kernel call and
+        the head is tiled, the whole step is one call (`cpu_kernels.stack_forward` with the
+        outputs as the residual input, its one layer's output tapped): embedding, layer, norm
+        and head, the same bits as those calls one by one (docs/design.md, "One call per
+        forward")."""
+        if (whole := self._whole_step(tokens, hidden, rows, starts, cache, head_weight)) is not None:
+            return whole
+        out = self.step_rows(tokens, hidden, rows, starts, cache)
+        h = self.logits_input(out)[:, -1]
+        return out, self.lm_head(h) if head_weight is None else linear(h, head_weight)
+
+    def _whole_step(self, tokens: Tensor, hidden: Tensor, rows: list[int], starts: list[int], cache: KVCache,
+                    head_weight: TiledWeight | Tensor | None) -> tuple[Tensor, Tensor] | None:
+        head, embedding = head_weight, self.embed_tokens.weight
+        if head is None and isinstance(self.lm_head, Linear) and self.lm_head.bias is None:
+            head = self.lm_head.fresh_packed()
+        if (torch.is_grad_enabled() and hidden.requires_grad) or not isinstance(head, TiledWeight) or not (
+                embedding.dtype == hidden.dtype == self.norm.weight.dtype == torch.float32
+                and embedding.is_contiguous()) or (w := self._kernel_weights(cache, len(rows))) is None:
+            return None
+        b = len(rows)
+        cos, signed_sin = self.rotary.tables(max(starts) + 1, torch.float32)
+        logits, out = cpu_kernels.kernels().stack_forward(  # type: ignore[union-attr]
+            kept_layer_stack(self), tokens.reshape(-1).tolist(), 1,
+            torch.tensor([rows, starts, [s + 1 for s in starts]], device=hidden.device), 0, 0, 0, embedding, cos,
+            signed_sin, cache.keys, cache.values, self.norm.weight, self.norm.eps, head.tiles, head.weight.shape[0],
+            list(range(b)), [0], hidden=hidden.reshape(b, -1).contiguous(), embedded_norm=w.embedded_norm)
+        return out.view(b, 1, -1), logits
 
     def logits_input(self, output: Tensor) -> Tensor:
         """What the target's head reads: the normed layer output."""
