@@ -619,3 +619,38 @@ def test_an_eagle3_step_with_its_logits_in_one_call_computes_the_bits_of_its_par
             calls.clear()
             for a, b in zip(whole, parts, strict=True):
                 assert torch.equal(a, b)
+
+
+@AVX512
+def test_eagle3_context_writes_in_one_call_compute_the_op_by_op_keys_and_values(tmp_path, monkeypatch):
+    """`write_context` in one call (`slot_kv`: [normed embedding, normed hidden] through the
+    fused q/k/v tiles) writes the op-by-op keys and values up to float32 rounding, at the
+    slots' positions only, and the chain step after it reads them alike."""
+    target_cfg = tiny_config(vocab_size=120, intermediate_size=96)
+    target = load_model(write_model(tmp_path / "t", target_cfg, seed=0)).model
+    drafter = load_model(write_model(tmp_path / "e", tiny_eagle3_config(target_cfg), seed=1)).model
+    drafter.attach(target.model.embed_tokens, target.lm_head)
+    gen = torch.Generator().manual_seed(5)
+    fused = torch.randn(1, 9, target_cfg.hidden_size, generator=gen)
+    tokens = torch.randint(0, 120, (1, 10), generator=gen)
+    calls = []
+    real = cpu_kernels.kernels().slot_kv
+    monkeypatch.setattr(cpu_kernels.kernels(), "slot_kv", lambda *args: calls.append(1) or real(*args))
+
+    def written():
+        cache = drafter.new_cache(16)
+        drafter.write_context(tokens[:, 1:5], fused[:, :4], 0, cache)
+        drafter.write_context(tokens[:, 5:10], fused[:, 4:9], 4, cache)
+        out, logits = drafter.step_logits(tokens[:, 9:10], fused[:, 8:9], [0], [9], cache)
+        return [cache.keys[0], cache.values[0], out, logits]
+
+    with torch.inference_mode():
+        one_call = written()
+        assert len(calls) == 2
+        with monkeypatch.context() as patch:
+            patch.setattr(Eagle3Model, "_kernel_weights", lambda *args: None)
+            op_by_op = written()
+    assert len(calls) == 2
+    assert one_call[0][:, :, 10:].abs().sum() == 0 == one_call[1][:, :, 10:].abs().sum()  # nothing past the slots
+    for a, b in zip(one_call, op_by_op, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -663,6 +663,46 @@ std::vector<torch::Tensor> stack_forward(const LayerStack& stack, const std::vec
   return {logits, features};
 }
 
+// The keys (normed for Qwen3, rotated) and values of T attention input rows h [T, IN] (normed
+// already) through a layer's fused q/k/v tiles, written at positions start .. start+T-1 of
+// cache row 0; the queries are dropped.
+void write_keys_values(const LayerWeights& w, const float* h, int64_t T, int64_t IN, int64_t heads,
+                       const torch::Tensor& cos, const torch::Tensor& signed_sin, const torch::Tensor& cache_k,
+                       const torch::Tensor& cache_v, int64_t start, const char* caller) {
+  const auto& [input_norm, qkv_tiles, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down, layer_eps] = w;
+  for (const auto* c : {&cache_k, &cache_v})
+    TORCH_CHECK(c->dim() == 4 && c->scalar_type() == torch::kFloat && c->device().is_cpu() && c->stride(3) == 1 &&
+                    c->sizes() == cache_k.sizes() && start >= 0 && start + T <= c->size(2),
+                caller, ": caches must be float32 [rows, kv_heads, capacity, head_dim] with room for the positions");
+  for (const auto* table : {&cos, &signed_sin})
+    TORCH_CHECK(table->is_contiguous() && table->scalar_type() == torch::kFloat && table->dim() == 2 &&
+                    table->size(0) >= start + T && table->device().is_cpu(),
+                caller, ": RoPE tables must be contiguous float32 [positions, head_dim] covering the positions");
+  const int64_t G = cache_k.size(1), D = cache_k.size(3), H = heads, QKV = (H + 2 * G) * D;
+  TORCH_CHECK(cos.size(1) == D && signed_sin.size(1) == D && D % 2 == 0, caller, ": RoPE tables of head_dim");
+  check_tiles(qkv_tiles, IN, QKV, "qkv_tiles");
+  const float* bias = optional_floats(qkv_bias, QKV, "qkv_bias");
+  const float* kn = optional_floats(k_norm, D, "k_norm");
+  std::vector<float> qkv(T * QKV);
+  tiled_product(h, T, IN, qkv_tiles, QKV, qkv.data(), bias);
+  float* kp = cache_k.data_ptr<float>();
+  float* vp = cache_v.data_ptr<float>();
+  for (int64_t r = 0; r < T; ++r) {
+    const int64_t p = start + r;
+    float* row = qkv.data() + r * QKV;
+    for (int64_t g = 0; g < G; ++g) {
+      rotate_head(row + (H + g) * D, kn, cos.data_ptr<float>() + p * D, signed_sin.data_ptr<float>() + p * D,
+                  kp + g * cache_k.stride(1) + p * cache_k.stride(2), D, static_cast<float>(layer_eps));
+      std::copy_n(row + (H + G + g) * D, D, vp + g * cache_v.stride(1) + p * cache_v.stride(2));
+    }
+  }
+}
+
+void check_rows(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && t.scalar_type() == torch::kFloat && t.device().is_cpu(), what,
+              " must be a contiguous float32 CPU matrix");
+}
+
 // context_kv: a target-conditioned drafter's context (model/dflash.py, `write_context`) in one
 // call: target features [T, F] fused (their product with fc's tiles, then the RMSNorm
 // `hidden_norm`), and each layer's keys (normed for Qwen3, rotated) and values of the fused
@@ -671,50 +711,46 @@ std::vector<torch::Tensor> stack_forward(const LayerStack& stack, const std::vec
 void context_kv(const LayerStack& stack, const torch::Tensor& features, const torch::Tensor& fc_tiles,
                 const torch::Tensor& hidden_norm, double eps, const torch::Tensor& cos, const torch::Tensor& signed_sin,
                 const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values, int64_t start) {
-  TORCH_CHECK(features.dim() == 2 && features.is_contiguous() && features.scalar_type() == torch::kFloat &&
-                  features.device().is_cpu(),
-              "context_kv: features must be a contiguous float32 CPU matrix [T, F]");
+  check_rows(features, "context_kv: features");
   const int64_t T = features.size(0), F = features.size(1), E = hidden_norm.numel(),
                 L = static_cast<int64_t>(stack.layers.size());
   check_vector(hidden_norm, E, "hidden_norm");
   check_tiles(fc_tiles, F, E, "fc_tiles");
   TORCH_CHECK(static_cast<int64_t>(keys.size()) == L && static_cast<int64_t>(values.size()) == L,
               "context_kv: one key and one value cache per layer");
-  for (const auto* table : {&cos, &signed_sin})
-    TORCH_CHECK(table->is_contiguous() && table->scalar_type() == torch::kFloat && table->dim() == 2 &&
-                    table->size(0) >= start + T && table->device().is_cpu(),
-                "context_kv: RoPE tables must be contiguous float32 [positions, head_dim] covering the positions");
   std::vector<float> fused(T * E);
   tiled_product(features.data_ptr<float>(), T, F, fc_tiles, E, fused.data(), nullptr);
   for (int64_t r = 0; r < T; ++r)
     rms_norm_row(fused.data() + r * E, hidden_norm.data_ptr<float>(), fused.data() + r * E, E, static_cast<float>(eps));
-  for (int64_t i = 0; i < L; ++i) {
-    const auto& [input_norm, qkv_tiles, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down, layer_eps] =
-        stack.layers[i];
-    const torch::Tensor &cache_k = keys[i], &cache_v = values[i];
-    for (const auto* c : {&cache_k, &cache_v})
-      TORCH_CHECK(c->dim() == 4 && c->scalar_type() == torch::kFloat && c->device().is_cpu() && c->stride(3) == 1 &&
-                      c->sizes() == cache_k.sizes() && start >= 0 && start + T <= c->size(2),
-                  "context_kv: caches must be float32 [rows, kv_heads, capacity, head_dim] with room for the positions");
-    const int64_t G = cache_k.size(1), D = cache_k.size(3), H = stack.heads, QKV = (H + 2 * G) * D;
-    TORCH_CHECK(cos.size(1) == D && signed_sin.size(1) == D && D % 2 == 0, "context_kv: RoPE tables of head_dim");
-    check_tiles(qkv_tiles, E, QKV, "qkv_tiles");
-    const float* bias = optional_floats(qkv_bias, QKV, "qkv_bias");
-    const float* kn = optional_floats(k_norm, D, "k_norm");
-    std::vector<float> qkv(T * QKV);
-    tiled_product(fused.data(), T, E, qkv_tiles, QKV, qkv.data(), bias);
-    float* kp = cache_k.data_ptr<float>();
-    float* vp = cache_v.data_ptr<float>();
-    for (int64_t r = 0; r < T; ++r) {
-      const int64_t p = start + r;
-      float* row = qkv.data() + r * QKV;
-      for (int64_t g = 0; g < G; ++g) {
-        rotate_head(row + (H + g) * D, kn, cos.data_ptr<float>() + p * D, signed_sin.data_ptr<float>() + p * D,
-                    kp + g * cache_k.stride(1) + p * cache_k.stride(2), D, static_cast<float>(layer_eps));
-        std::copy_n(row + (H + G + g) * D, D, vp + g * cache_v.stride(1) + p * cache_v.stride(2));
-      }
-    }
+  for (int64_t i = 0; i < L; ++i)
+    write_keys_values(stack.layers[i], fused.data(), T, E, stack.heads, cos, signed_sin, keys[i], values[i], start,
+                      "context_kv");
+}
+
+// slot_kv: an EAGLE-3 drafter's committed slots (model/eagle3.py, `write_context`) in one call:
+// slot r's attention input is [embedded_norm(embedding row of tokens[r]), input_norm(hidden[r])],
+// as in `layer`, and its key and value go to position start + r of cache row 0 (a one-layer
+// stack's cache). Only the fused q/k/v product runs, its queries dropped.
+void slot_kv(const LayerStack& stack, const std::vector<int64_t>& tokens, const torch::Tensor& hidden,
+             const torch::Tensor& embedding, const torch::Tensor& embedded_norm, const torch::Tensor& cos,
+             const torch::Tensor& signed_sin, const torch::Tensor& cache_k, const torch::Tensor& cache_v, int64_t start) {
+  check_rows(hidden, "slot_kv: hidden");
+  check_rows(embedding, "slot_kv: the embedding");
+  const int64_t T = hidden.size(0), E = hidden.size(1);
+  TORCH_CHECK(stack.layers.size() == 1 && static_cast<int64_t>(tokens.size()) == T && embedding.size(1) == E,
+              "slot_kv: a one-layer stack, a token per hidden row, an embedding of the hidden size");
+  const torch::Tensor& input_norm = std::get<0>(stack.layers[0]);
+  check_vector(embedded_norm, E, "embedded_norm");
+  check_vector(input_norm, E, "input_norm");
+  const float e = static_cast<float>(std::get<9>(stack.layers[0]));
+  std::vector<float> h(T * 2 * E);
+  for (int64_t r = 0; r < T; ++r) {
+    TORCH_CHECK(tokens[r] >= 0 && tokens[r] < embedding.size(0), "slot_kv: a token id is outside the embedding");
+    rms_norm_row(embedding.data_ptr<float>() + tokens[r] * E, embedded_norm.data_ptr<float>(), h.data() + r * 2 * E, E, e);
+    rms_norm_row(hidden.data_ptr<float>() + r * E, input_norm.data_ptr<float>(), h.data() + r * 2 * E + E, E, e);
   }
+  write_keys_values(stack.layers[0], h.data(), T, 2 * E, stack.heads, cos, signed_sin, cache_k, cache_v, start,
+                    "slot_kv");
 }
 
 // row_picks: for each row of float32 logits [R, V], the first index of its largest value among
@@ -814,6 +850,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("block_size"), py::arg("embedding"), py::arg("cos"), py::arg("signed_sin"), py::arg("keys"),
         py::arg("values"), py::arg("norm"), py::arg("eps"), py::arg("head_tiles"), py::arg("vocab"),
         py::arg("logits_at"), py::arg("taps"), py::arg("hidden") = py::none(), py::arg("embedded_norm") = py::none());
+  m.def("slot_kv", &slot_kv, release(),
+        "an EAGLE-3 drafter's committed slots: their keys and values into its cache, from [normed embedding, normed hidden]");
   m.def("context_kv", &context_kv, release(),
         "a target-conditioned drafter's context: fused features, then every layer's keys and values into its cache");
   py::class_<ParameterWatch>(m, "ParameterWatch", "a model's parameters, whose state parameter_state reads")

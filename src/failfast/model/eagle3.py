@@ -89,12 +89,24 @@ class Eagle3Model(BorrowsTargetParts):
 
     def write_context(self, tokens: Tensor, fused: Tensor, start: int, cache: KVCache) -> None:
         """Cache the K/V of committed slots start.. (fused features [1, T, hidden], their next
-        tokens [1, T]); the cache must hold exactly [0, start)."""
+        tokens [1, T]); the cache must hold exactly [0, start). One kernel call where the layer
+        runs on the kernels (`cpu_kernels.slot_kv`: keys and values from the fused q/k/v
+        product, so they round unlike the separate projections, which only changes what is
+        proposed)."""
         if start != cache.length:
             raise ValueError(f"slots from {start} but the drafter cache holds {cache.length}")
-        k, v = self.slot_kv(tokens, fused, torch.arange(start, start + tokens.shape[1], device=tokens.device))
-        cache.write(0, start, k, v)
-        cache.length = start + tokens.shape[1]
+        t, embedding = tokens.shape[1], self.embed_tokens.weight
+        if (fused.shape[0] == 1 == cache.keys[0].shape[0] and start + t <= cache.capacity and embedding.dtype == fused.dtype == torch.float32
+                and embedding.is_contiguous() and not (torch.is_grad_enabled() and fused.requires_grad)
+                and (w := self._kernel_weights(cache, t)) is not None):
+            cos, signed_sin = self.rotary.tables(start + t, torch.float32)
+            cpu_kernels.kernels().slot_kv(  # type: ignore[union-attr]
+                kept_layer_stack(self), tokens[0].tolist(), fused[0].contiguous(), embedding, w.embedded_norm, cos,
+                signed_sin, cache.keys[0], cache.values[0], start)
+        else:
+            k, v = self.slot_kv(tokens, fused, torch.arange(start, start + t, device=tokens.device))
+            cache.write(0, start, k, v)
+        cache.length = start + t
 
     def step(self, tokens: Tensor, hidden: Tensor, cache: KVCache) -> Tensor:
         """One drafting step of a one-row cache: the slot (hidden [1, 1, hidden], next token
