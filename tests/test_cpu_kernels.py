@@ -519,20 +519,24 @@ def test_row_picks_are_each_rows_argmax_and_softmax_probability():
     `argmax` has them), and its softmax probability within float32 rounding."""
     logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(0)) * 4
     logits[1, 7] = logits[1, 250] = logits[1].max() + 1  # a tie: the first one wins
-    logits[2, 200:] = 50.0  # past the limit: never picked
+    logits[2, 250:] = 50.0  # past the limit: never picked
+    logits[2, 260] = float("nan")
     logits[3] = float("-inf")
     logits[3, 123] = -5.0  # one finite value: probability 1
     logits[4, 17] = logits[4, 33] = float("nan")  # argmax takes the first NaN
     limit = 250
     ids, confs = cpu_kernels.kernels().row_picks(logits, limit, True)
     seen = logits[:, :limit]
-    assert ids == seen.argmax(-1).tolist() and ids[1] == 7 and ids[3] == 123 and ids[4] == 17
+    assert ids == seen.argmax(-1).tolist() and ids[1] == 7 and ids[2] < 250 and ids[3] == 123 and ids[4] == 17
     expected = torch.softmax(seen.double(), dim=-1).max(dim=-1).values
     torch.testing.assert_close(torch.tensor(confs[:4] + confs[5:], dtype=torch.float64),
                                torch.cat([expected[:4], expected[5:]]), rtol=1e-6, atol=0)
     assert confs[3] == 1.0 and confs[4] != confs[4]  # NaN
     assert cpu_kernels.kernels().row_picks(logits, limit, False) == (ids, [])
-    assert cpu_kernels.kernels().row_picks(logits, None, False)[0][2] == 200  # no limit: every column
+    assert cpu_kernels.kernels().row_picks(logits, None, False)[0][2] == 260  # no limit: every column
+    logits[5] = float("-inf")
+    assert cpu_kernels.kernels().row_picks(logits, limit, True)[1][5] != cpu_kernels.kernels().row_picks(
+        logits, limit, True)[1][5]  # no finite value: NaN, as softmax gives
     for other in (logits.double(), logits.t(), logits[0], logits[:, :0]):  # PyTorch picks these
         assert cpu_kernels.kernels().row_picks(other, None, False) is None
     with pytest.raises(RuntimeError, match="limit"):
@@ -540,22 +544,34 @@ def test_row_picks_are_each_rows_argmax_and_softmax_probability():
 
 
 @AVX512
-def test_greedy_picks_of_float32_logits_are_the_torch_picks(random_models):
-    """`greedy_tokens` and a drafter's `picks` take the kernel for float32 logits: the same tokens
-    as PyTorch's argmax and softmax over float64 logits, the drafter's through its draft
-    vocabulary; the kernel is what ran (its probabilities are float32's, not float64's)."""
-    from failfast.decode.sampling import greedy_tokens
+def test_greedy_picks_of_float32_logits_are_the_torch_picks(random_models, monkeypatch):
+    """`greedy_tokens` and a drafter's `picks` take the kernel for float32 logits (counted) and
+    pick what PyTorch's argmax and softmax pick for the same logits in float64 (PyTorch's path):
+    a drafter with a draft vocabulary through it, one without over its first `vocab_limit`
+    columns. A sampling drafter keeps PyTorch's path."""
+    from failfast.decode.sampling import Sampler, SamplingParams, greedy_tokens
     from failfast.drafters.base import ModelDrafter
 
+    calls = []
+    real = cpu_kernels.kernels().row_picks
+    monkeypatch.setattr(cpu_kernels.kernels(), "row_picks", lambda *args: calls.append(args[0].dtype) or real(*args))
     logits = torch.randn(5, 96, generator=torch.Generator().manual_seed(1))
     assert greedy_tokens(logits) == greedy_tokens(logits.double()) == logits.argmax(-1).tolist()
-    drafter = ModelDrafter(load_model(random_models["random-ar"]), 96, draft_vocab=range(0, 96, 3))
+    assert calls == [torch.float32, torch.float64]  # float64 is turned down, PyTorch picks it
+    loaded = load_model(random_models["random-ar"])
     reduced = logits[:, :32].contiguous()
-    tokens, confs = drafter.picks(reduced, range(5))
-    wide_tokens, wide_confs = drafter.picks(reduced.double(), range(5))
-    assert tokens == wide_tokens == [3 * i for i in reduced.argmax(-1).tolist()]
-    torch.testing.assert_close(torch.tensor(confs), torch.tensor(wide_confs), rtol=1e-6, atol=0)
-    assert confs != wide_confs
+    for drafter, rows, columns in ((ModelDrafter(loaded, 96, draft_vocab=range(0, 96, 3)), reduced, range(0, 96, 3)),
+                                   (ModelDrafter(loaded, 50), logits, range(50))):
+        tokens, confs = drafter.picks(rows, range(5))
+        torch_tokens, torch_confs = drafter.picks(rows.double(), range(5))
+        assert tokens == torch_tokens == [columns[i] for i in rows[:, :len(columns)].argmax(-1).tolist()]
+        torch.testing.assert_close(torch.tensor(confs), torch.tensor(torch_confs), rtol=1e-6, atol=0)
+    assert calls.count(torch.float32) == 3
+    sampling = ModelDrafter(loaded, 96)
+    sampling.sample_with(Sampler(SamplingParams(temperature=0.8, seed=0), 96))
+    calls.clear()
+    sampling.picks(logits, range(5))
+    assert calls == []
 
 
 @AVX512

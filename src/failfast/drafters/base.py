@@ -115,7 +115,7 @@ class ModelDrafter:
         and host reads: its confidences round like the kernel's exp, not PyTorch's softmax,
         which may change a draft but never what is committed."""
         greedy = self.sampler is None or (self.sampler.params.greedy and not self.sampler.params.penalized)
-        limit = logits.shape[-1] if self.vocab_ids is not None else self.vocab_limit
+        limit = logits.shape[-1] if self.vocab_ids is not None else min(self.vocab_limit, logits.shape[-1])
         if greedy and (self.vocab_ids is not None or not self.banned) and (
                 found := row_picks(logits, limit, confidence=True)) is not None:
             ids, confs = found

@@ -789,6 +789,10 @@ py::object row_picks(const torch::Tensor& logits, c10::optional<int64_t> limit_o
     while (row[at] != best) ++at;
     ids[r] = at;
     if (!confidence) continue;
+    if (!std::isfinite(best)) {  // e^(inf - inf): no probability, as PyTorch's softmax gives NaN
+      confs[r] = std::numeric_limits<double>::quiet_NaN();
+      continue;
+    }
     const __m512 shift = _mm512_set1_ps(best);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < limit; j += 16) {

@@ -507,7 +507,7 @@ def kernel_layer_args(w: LayerKernelWeights, x: Tensor, rope: tuple[Tensor, Tens
             w.gate_up_tiles, w.down_tiles, w.eps, rope[0], rope[1], cache.keys[layer], cache.values[layer])
 
 
-_VERSION, _TRAINS = attrgetter("_version"), attrgetter("requires_grad")
+_VERSION = attrgetter("_version")
 
 
 @dataclass(frozen=True, eq=False)
