@@ -670,3 +670,34 @@ def test_eagle3_context_writes_in_one_call_compute_the_op_by_op_keys_and_values(
     assert one_call[0][:, :, 10:].abs().sum() == 0 == one_call[1][:, :, 10:].abs().sum()  # nothing past the slots
     for a, b in zip(one_call, op_by_op, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@AVX512
+def test_dflash_passes_with_their_logits_in_one_call_compute_the_bits_of_their_parts(tmp_path):
+    """`pass_logits` (packed blocks, norm and head in one stack_forward call) gives the bits of
+    `draft_passes`, the norm and the head at each block's last masks: three rows at different
+    contexts and widths, the target's head and a reduced one; None where a block would end
+    past the cache (the caller runs the parts)."""
+    from failfast.model.packed import pack_weight
+
+    target_cfg = tiny_config(vocab_size=120, intermediate_size=96)
+    target = load_model(write_model(tmp_path / "t", target_cfg, seed=0)).model
+    drafter = load_model(write_model(tmp_path / "d", tiny_dflash_config(target_cfg, num_hidden_layers=2), seed=1)).model
+    drafter.attach(target.model.embed_tokens, target.lm_head)
+    gen = torch.Generator().manual_seed(6)
+    features = torch.randn(3, 9, 2 * target_cfg.hidden_size, generator=gen)
+    windows = [torch.randint(0, 120, (n,), generator=gen).tolist() for n in (4, 7, 5)]
+    rows, lengths, masks = [0, 2, 1], [5, 9, 3], [3, 6, 5]
+    reduced = pack_weight(target.lm_head.weight[::2].contiguous())
+    with torch.inference_mode():
+        for head in (None, reduced):
+            cache = drafter.new_cache(24, batch=3)
+            for row, length in enumerate(lengths):
+                drafter.write_context(features[row:row + 1, :length], 0, cache.row(row))
+            starts = [lengths[r] for r in rows]
+            whole = drafter.pass_logits(windows, rows, starts, cache, masks, head)
+            parts = [drafter.lm_head(h[-m:]) if head is None else linear(h[-m:], head)
+                     for h, m in zip(drafter.draft_passes(windows, rows, starts, cache), masks)]
+            assert [w.shape for w in whole] == [(m, 120 if head is None else 60) for m in masks]
+            assert all(torch.equal(a, b) for a, b in zip(whole, parts, strict=True))
+        assert drafter.pass_logits(windows, rows, [20, 20, 20], cache, masks) is None

@@ -83,9 +83,12 @@ class DFlashDrafter(TargetFeatureDrafter):
     def _take_pass(self, hidden: Tensor, masks: int) -> None:
         """Decode a pass's final hidden states [W, hidden] at its masks."""
         out = hidden[-masks:]
+        self._take_logits(self.model.lm_head(out) if self.head_weight is None else linear(out, self.head_weight))
+
+    def _take_logits(self, logits: Tensor) -> None:
+        """Decode a pass from its logits at its masks [masks, V']."""
         first = self.cache.length + len(self.window)  # window token w sits at position cache.length + w
-        tokens, confs = self.picks(self.model.lm_head(out) if self.head_weight is None else linear(out, self.head_weight),
-                                   range(first, first + masks))
+        tokens, confs = self.picks(logits, range(first, first + logits.shape[0]))
         self.window += tokens
         self.window_confs += confs
         self.passes += 1
@@ -93,7 +96,11 @@ class DFlashDrafter(TargetFeatureDrafter):
 
     def _run_pass(self) -> None:
         window, masks = self._window()
-        self._take_pass(self.model.draft_pass(self._tensor(window), self.cache.length, self.cache)[0], masks)
+        whole = self.model.pass_logits([window], [0], [self.cache.length], self.cache, [masks], self.head_weight)
+        if whole is not None:  # the pass and its head in one kernel call
+            self._take_logits(whole[0])
+        else:
+            self._take_pass(self.model.draft_pass(self._tensor(window), self.cache.length, self.cache)[0], masks)
 
     def _drafted_unhanded(self) -> int:
         return len(self.window_confs) - self.handed
@@ -125,9 +132,14 @@ class DFlashDrafter(TargetFeatureDrafter):
             drafters[passing[0]]._run_pass()
         elif passing:
             plans = [drafters[slot]._window() for slot in passing]
-            model = drafters[passing[0]].model
-            hidden = model.draft_passes([w for w, _ in plans], passing, [drafters[s].cache.length for s in passing],
-                                        shared)
-            for slot, part, (_, masks) in zip(passing, hidden, plans):
-                drafters[slot]._take_pass(part, masks)
+            first = drafters[passing[0]]
+            windows, starts = [w for w, _ in plans], [drafters[s].cache.length for s in passing]
+            whole = first.model.pass_logits(windows, passing, starts, shared, [m for _, m in plans], first.head_weight)
+            if whole is not None:  # the rows' passes and their heads in one kernel call
+                for slot, logits in zip(passing, whole):
+                    drafters[slot]._take_logits(logits)
+            else:
+                for slot, part, (_, masks) in zip(passing, first.model.draft_passes(windows, passing, starts, shared),
+                                                  plans):
+                    drafters[slot]._take_pass(part, masks)
         return {slot: drafters[slot]._hand(wants[slot]) for slot in wants}

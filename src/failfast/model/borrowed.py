@@ -6,6 +6,8 @@ import torch
 from torch import nn
 
 from failfast.errors import IncompatibleModelsError
+from failfast.model.tiled import TiledWeight
+from failfast.model.transformer import Linear
 
 
 class BorrowsTargetParts(nn.Module):
@@ -38,6 +40,21 @@ class BorrowsTargetParts(nn.Module):
     @property
     def lm_head(self) -> nn.Module:
         return self._parts()[1]
+
+    def whole_call_parts(self, head_weight: "TiledWeight | torch.Tensor | None") -> tuple | None:
+        """(embedding, tiled head) for a whole drafting pass or step in one kernel call
+        (`cpu_kernels.stack_forward`): `head_weight` (a draft vocabulary's rows) or the
+        target's head as tiles; None where that call does not serve (an untiled or biased head,
+        an embedding or final norm not in float32). Read every call: the target's parts are not
+        the drafter's, so its kept plan does not watch them."""
+        head, embedding = head_weight, self.embed_tokens.weight
+        if head is None and isinstance(self.lm_head, Linear) and self.lm_head.bias is None:
+            head = self.lm_head.fresh_packed()
+        norm = self.norm.weight  # type: ignore[union-attr]
+        if not (isinstance(head, TiledWeight) and embedding.dtype == norm.dtype == torch.float32
+                and embedding.is_contiguous()):
+            return None
+        return embedding, head
 
     def _parts(self) -> tuple[nn.Embedding, nn.Module]:
         if self._target is None:

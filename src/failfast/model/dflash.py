@@ -147,6 +147,33 @@ class DFlashModel(BorrowsTargetParts):
         hidden = self.hidden(tokens, start + torch.arange(width, device=device), context, mask)
         return [hidden[i, :len(w)] for i, w in enumerate(windows)]
 
+    def pass_logits(self, windows: list[list[int]], rows: list[int], starts: list[int], cache: KVCache,
+                    masks: list[int], head_weight: TiledWeight | Tensor | None = None) -> list[Tensor] | None:
+        """`draft_passes` and the head (the target's, or `head_weight`: a draft vocabulary's
+        rows) at each block's last `masks[i]` positions, in one kernel call
+        (`cpu_kernels.stack_forward` over the packed blocks, as `_kernel_hidden` places them:
+        embedding, layers, norm and head, the same bits as those calls one by one): each row's
+        logits [masks[i], V']. None where that call does not serve (the caller runs the passes
+        and the head itself)."""
+        lengths = [len(w) for w in windows]
+        ends = [s + n for s, n in zip(starts, lengths)]
+        if (max(ends) > cache.capacity or (parts := self.whole_call_parts(head_weight)) is None
+                or self._kernel_weights(cache, sum(lengths)) is None):
+            return None
+        embedding, head = parts
+        places = torch.tensor([[r for r, n in zip(rows, lengths) for _ in range(n)],
+                               [p for s, n in zip(starts, lengths) for p in range(s, s + n)],
+                               [e for e, n in zip(ends, lengths) for _ in range(n)]], device=self.device)
+        picked, offset = [], 0
+        for n, m in zip(lengths, masks):
+            picked += range(offset + n - m, offset + n)
+            offset += n
+        cos, signed_sin = self.rotary.tables(max(ends), torch.float32)
+        logits, _ = cpu_kernels.kernels().stack_forward(  # type: ignore[union-attr]
+            kept_layer_stack(self), [t for w in windows for t in w], 1, places, 0, 0, 0, embedding, cos, signed_sin,
+            cache.keys, cache.values, self.norm.weight, self.norm.eps, head.tiles, head.weight.shape[0], picked, [])
+        return list(logits.split(masks))
+
     def _kernel_weights(self, cache: KVCache, rows: int) -> list[LayerKernelWeights] | None:
         """The layers' weights for one kernel call per layer (float32 inference with the CPU
         kernels; `kernel_layer_weights`), else None."""

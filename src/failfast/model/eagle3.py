@@ -178,13 +178,11 @@ class Eagle3Model(BorrowsTargetParts):
 
     def _whole_step(self, tokens: Tensor, hidden: Tensor, rows: list[int], starts: list[int], cache: KVCache,
                     head_weight: TiledWeight | Tensor | None) -> tuple[Tensor, Tensor] | None:
-        head, embedding = head_weight, self.embed_tokens.weight
-        if head is None and isinstance(self.lm_head, Linear) and self.lm_head.bias is None:
-            head = self.lm_head.fresh_packed()
-        if (torch.is_grad_enabled() and hidden.requires_grad) or not isinstance(head, TiledWeight) or not (
-                embedding.dtype == hidden.dtype == self.norm.weight.dtype == torch.float32
-                and embedding.is_contiguous()) or (w := self._kernel_weights(cache, len(rows))) is None:
+        if (torch.is_grad_enabled() and hidden.requires_grad) or hidden.dtype != torch.float32 or (
+                parts := self.whole_call_parts(head_weight)) is None or (
+                w := self._kernel_weights(cache, len(rows))) is None:
             return None
+        embedding, head = parts
         b = len(rows)
         cos, signed_sin = self.rotary.tables(max(starts) + 1, torch.float32)
         logits, out = cpu_kernels.kernels().stack_forward(  # type: ignore[union-attr]
