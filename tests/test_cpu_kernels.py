@@ -38,6 +38,16 @@ def operands(rows: int, out_features: int, in_features: int, bias: bool, float16
     return torch.randn(rows, in_features, generator=gen), w, b
 
 
+def attached_drafter(tmp_path, drafter_config):
+    """(target config, float32 target, a drafter of `drafter_config(target config)` reading
+    it, with the target's embedding and head attached)."""
+    target_cfg = tiny_config(vocab_size=120, intermediate_size=96)
+    target = load_model(write_model(tmp_path / "t", target_cfg, seed=0)).model
+    drafter = load_model(write_model(tmp_path / "d", drafter_config(target_cfg), seed=1)).model
+    drafter.attach(target.model.embed_tokens, target.lm_head)
+    return target_cfg, target, drafter
+
+
 def reference(x, w, b):
     return F.linear(x.double(), w.double(), None if b is None else b.double())
 
@@ -404,10 +414,7 @@ def test_a_parameter_replaced_after_a_forward_is_what_the_next_forward_reads(tmp
 def test_an_eagle3_step_in_one_call_computes_the_op_by_op_step(tmp_path, monkeypatch):
     """Three rows at different positions of a drafter cache: outputs and written K/V as the
     op-by-op step's up to float32 rounding (its attention is SDPA there, the kernel here)."""
-    target_cfg = tiny_config(vocab_size=120, intermediate_size=96)
-    target = load_model(write_model(tmp_path / "t", target_cfg, seed=0)).model
-    drafter = load_model(write_model(tmp_path / "e", tiny_eagle3_config(target_cfg), seed=1)).model
-    drafter.attach(target.model.embed_tokens, target.lm_head)
+    target_cfg, target, drafter = attached_drafter(tmp_path, tiny_eagle3_config)
     assert drafter.midlayer.kernel_weights() is not None
     gen = torch.Generator().manual_seed(3)
     context = torch.randn(3, 8, target_cfg.hidden_size, generator=gen)
@@ -435,10 +442,7 @@ def test_dflash_passes_in_one_call_compute_the_op_by_op_passes(tmp_path, monkeyp
     (different contexts and widths) in one packed call: context K/V and hidden states as the
     op-by-op ones up to float32 rounding (separate k/v products and SDPA there), each row's
     pass bit-equal to its pass alone, and the cached context untouched by the passes."""
-    target_cfg = tiny_config(vocab_size=120, intermediate_size=96)
-    target = load_model(write_model(tmp_path / "t", target_cfg, seed=0)).model
-    drafter = load_model(write_model(tmp_path / "d", tiny_dflash_config(target_cfg, num_hidden_layers=2), seed=1)).model
-    drafter.attach(target.model.embed_tokens, target.lm_head)
+    target_cfg, target, drafter = attached_drafter(tmp_path, lambda cfg: tiny_dflash_config(cfg, num_hidden_layers=2))
     assert all(layer.kernel_weights() is not None for layer in drafter.layers)
     gen = torch.Generator().manual_seed(3)
     features = torch.randn(3, 9, 2 * target_cfg.hidden_size, generator=gen)
@@ -597,13 +601,10 @@ def test_an_eagle3_step_with_its_logits_in_one_call_computes_the_bits_of_its_par
     """`step_logits` as one stack_forward call (hidden states as the residual input, the layer's
     output tapped) gives the bits of `step_rows` in one call per layer, then the norm and the
     head: the target's head and a reduced one, three rows at different positions; the written
-    K/V too. A float64 drafter takes the parts one by one."""
+    K/V too."""
     from failfast.model.packed import pack_weight
 
-    target_cfg = tiny_config(vocab_size=120, intermediate_size=96)
-    target = load_model(write_model(tmp_path / "t", target_cfg, seed=0)).model
-    drafter = load_model(write_model(tmp_path / "e", tiny_eagle3_config(target_cfg), seed=1)).model
-    drafter.attach(target.model.embed_tokens, target.lm_head)
+    target_cfg, target, drafter = attached_drafter(tmp_path, tiny_eagle3_config)
     gen = torch.Generator().manual_seed(4)
     context = torch.randn(3, 8, target_cfg.hidden_size, generator=gen)
     tokens, hidden = torch.randint(0, 120, (3, 9), generator=gen), torch.randn(3, 1, target_cfg.hidden_size, generator=gen)
@@ -642,10 +643,7 @@ def test_eagle3_context_writes_in_one_call_compute_the_op_by_op_keys_and_values(
     """`write_context` in one call (`slot_kv`: [normed embedding, normed hidden] through the
     fused q/k/v tiles) writes the op-by-op keys and values up to float32 rounding, at the
     slots' positions only, and the chain step after it reads them alike."""
-    target_cfg = tiny_config(vocab_size=120, intermediate_size=96)
-    target = load_model(write_model(tmp_path / "t", target_cfg, seed=0)).model
-    drafter = load_model(write_model(tmp_path / "e", tiny_eagle3_config(target_cfg), seed=1)).model
-    drafter.attach(target.model.embed_tokens, target.lm_head)
+    target_cfg, target, drafter = attached_drafter(tmp_path, tiny_eagle3_config)
     gen = torch.Generator().manual_seed(5)
     fused = torch.randn(1, 9, target_cfg.hidden_size, generator=gen)
     tokens = torch.randint(0, 120, (1, 10), generator=gen)
@@ -680,10 +678,7 @@ def test_dflash_passes_with_their_logits_in_one_call_compute_the_bits_of_their_p
     past the cache (the caller runs the parts)."""
     from failfast.model.packed import pack_weight
 
-    target_cfg = tiny_config(vocab_size=120, intermediate_size=96)
-    target = load_model(write_model(tmp_path / "t", target_cfg, seed=0)).model
-    drafter = load_model(write_model(tmp_path / "d", tiny_dflash_config(target_cfg, num_hidden_layers=2), seed=1)).model
-    drafter.attach(target.model.embed_tokens, target.lm_head)
+    target_cfg, target, drafter = attached_drafter(tmp_path, lambda cfg: tiny_dflash_config(cfg, num_hidden_layers=2))
     gen = torch.Generator().manual_seed(6)
     features = torch.randn(3, 9, 2 * target_cfg.hidden_size, generator=gen)
     windows = [torch.randint(0, 120, (n,), generator=gen).tolist() for n in (4, 7, 5)]
