@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from failfast.errors import IncompatibleModelsError
+from failfast.model import cpu_kernels
+from failfast.model.kv_cache import KVCache
 from failfast.model.tiled import TiledWeight
-from failfast.model.transformer import Linear
+from failfast.model.transformer import Linear, kept_layer_stack
+
+
+def packed_places(rows: Sequence[int], starts: Sequence[int], lengths: Sequence[int],
+                  device: torch.device) -> Tensor:
+    """The kernels' places [3, N] of packed spans: span i's `lengths[i]` tokens at positions
+    starts[i].. of cache row rows[i], each reading keys up to its span's end."""
+    spans = list(zip(rows, starts, lengths))
+    return torch.tensor([[r for r, _, n in spans for _ in range(n)],
+                         [p for _, s, n in spans for p in range(s, s + n)],
+                         [s + n for _, s, n in spans for _ in range(n)]], device=device)
 
 
 class BorrowsTargetParts(nn.Module):
@@ -55,6 +69,19 @@ class BorrowsTargetParts(nn.Module):
                 and embedding.is_contiguous()):
             return None
         return embedding, head
+
+    def whole_call(self, parts: tuple, tokens: list[int], places: Tensor, end: int, cache: KVCache,
+                   logits_at: list[int], taps: Sequence[int] = (), **extra: Tensor | None) -> list[Tensor]:
+        """[logits at `logits_at`, tapped outputs] of packed tokens at `places` (positions below
+        `end`) in one `stack_forward` call: the drafter's kept layers (its `_kernel_weights`
+        just read), the target's embedding and the head of `parts` (`whole_call_parts`), the
+        drafter's final norm; `extra`: stack_forward's `hidden` and `embedded_norm`."""
+        embedding, head = parts
+        cos, signed_sin = self.rotary.tables(end, torch.float32)  # type: ignore[union-attr]
+        norm = self.norm  # type: ignore[union-attr]
+        return cpu_kernels.kernels().stack_forward(  # type: ignore[union-attr]
+            kept_layer_stack(self), tokens, 1, places, 0, 0, 0, embedding, cos, signed_sin, cache.keys, cache.values,
+            norm.weight, norm.eps, head.tiles, head.weight.shape[0], logits_at, list(taps), **extra)
 
     def _parts(self) -> tuple[nn.Embedding, nn.Module]:
         if self._target is None:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from failfast.errors import IncompatibleModelsError
-from failfast.model.borrowed import BorrowsTargetParts
+from failfast.model.borrowed import BorrowsTargetParts, packed_places
 from failfast.model.config import ModelConfig
 from failfast.model.kv_cache import KVCache
 from failfast.model import cpu_kernels
@@ -160,18 +160,12 @@ class DFlashModel(BorrowsTargetParts):
         if (max(ends) > cache.capacity or (parts := self.whole_call_parts(head_weight)) is None
                 or self._kernel_weights(cache, sum(lengths)) is None):
             return None
-        embedding, head = parts
-        places = torch.tensor([[r for r, n in zip(rows, lengths) for _ in range(n)],
-                               [p for s, n in zip(starts, lengths) for p in range(s, s + n)],
-                               [e for e, n in zip(ends, lengths) for _ in range(n)]], device=self.device)
         picked, offset = [], 0
         for n, m in zip(lengths, masks):
             picked += range(offset + n - m, offset + n)
             offset += n
-        cos, signed_sin = self.rotary.tables(max(ends), torch.float32)
-        logits, _ = cpu_kernels.kernels().stack_forward(  # type: ignore[union-attr]
-            kept_layer_stack(self), [t for w in windows for t in w], 1, places, 0, 0, 0, embedding, cos, signed_sin,
-            cache.keys, cache.values, self.norm.weight, self.norm.eps, head.tiles, head.weight.shape[0], picked, [])
+        logits, _ = self.whole_call(parts, [t for w in windows for t in w],
+                                    packed_places(rows, starts, lengths, self.device), max(ends), cache, picked)
         return list(logits.split(masks))
 
     def _kernel_weights(self, cache: KVCache, rows: int) -> list[LayerKernelWeights] | None:
@@ -187,10 +181,7 @@ class DFlashModel(BorrowsTargetParts):
         past the row's context (scratch: cache lengths do not move), and its query reads keys
         up to its block's end: the context, then the whole block, as the op-by-op pass does
         (the attention kernel rounds unlike SDPA, which only changes what is proposed)."""
-        spans = list(zip(rows, starts, lengths))
-        places = torch.tensor([[r for r, _, n in spans for _ in range(n)],
-                               [p for _, s, n in spans for p in range(s, s + n)],
-                               [s + n for _, s, n in spans for _ in range(n)]], device=tokens.device)
+        places = packed_places(rows, starts, lengths, tokens.device)
         cfg = self.config
         layers = KernelLayers(weights, cfg.num_attention_heads, cfg.head_dim ** -0.5, places=places)
         x = self.embed_tokens(tokens).to(self.dtype)[None]

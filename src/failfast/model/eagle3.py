@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from failfast.errors import IncompatibleModelsError
-from failfast.model.borrowed import BorrowsTargetParts
+from failfast.model.borrowed import BorrowsTargetParts, packed_places
 from failfast.model.config import ModelConfig
 from failfast.model.kv_cache import KVCache
 from failfast.model import cpu_kernels
@@ -154,9 +154,8 @@ class Eagle3Model(BorrowsTargetParts):
         and position, attending to keys up to it (the same arithmetic; the attention kernel
         rounds unlike SDPA, which only changes what is proposed)."""
         b, attn = len(rows), self.midlayer.self_attn
-        at = torch.tensor(starts, device=hidden.device)
-        places = torch.stack([torch.tensor(rows, device=hidden.device), at, at + 1])
-        args = kernel_layer_args(w, hidden.reshape(1, b, -1), self.rotary.rows(at, hidden.dtype), cache, 0)
+        places = packed_places(rows, starts, [1] * b, hidden.device)
+        args = kernel_layer_args(w, hidden.reshape(1, b, -1), self.rotary.rows(places[1], hidden.dtype), cache, 0)
         out = cpu_kernels.kernels().packed_decoder_layer(  # type: ignore[union-attr]
             *args, places, attn.n_heads, attn.head_dim ** -0.5, embedded=embedded.reshape(1, b, -1).contiguous(),
             embedded_norm=w.embedded_norm)
@@ -182,14 +181,11 @@ class Eagle3Model(BorrowsTargetParts):
                 parts := self.whole_call_parts(head_weight)) is None or (
                 w := self._kernel_weights(cache, len(rows))) is None:
             return None
-        embedding, head = parts
         b = len(rows)
-        cos, signed_sin = self.rotary.tables(max(starts) + 1, torch.float32)
-        logits, out = cpu_kernels.kernels().stack_forward(  # type: ignore[union-attr]
-            kept_layer_stack(self), tokens.reshape(-1).tolist(), 1,
-            torch.tensor([rows, starts, [s + 1 for s in starts]], device=hidden.device), 0, 0, 0, embedding, cos,
-            signed_sin, cache.keys, cache.values, self.norm.weight, self.norm.eps, head.tiles, head.weight.shape[0],
-            list(range(b)), [0], hidden=hidden.reshape(b, -1).contiguous(), embedded_norm=w.embedded_norm)
+        logits, out = self.whole_call(parts, tokens.reshape(-1).tolist(),
+                                      packed_places(rows, starts, [1] * b, hidden.device), max(starts) + 1, cache,
+                                      list(range(b)), [0], hidden=hidden.reshape(b, -1).contiguous(),
+                                      embedded_norm=w.embedded_norm)
         return out.view(b, 1, -1), logits
 
     def logits_input(self, output: Tensor) -> Tensor:
