@@ -475,7 +475,7 @@ def test_dflash_passes_in_one_call_compute_the_op_by_op_passes(tmp_path, monkeyp
 
 @AVX512
 def test_a_whole_forward_in_one_call_computes_the_bits_of_one_call_per_layer(tmp_path, monkeypatch):
-    """docs/design.md, "One call per forward": logits (all, none, chosen and negative indices,
+    """docs/design.md, "One call per forward": logits (all, none, chosen, repeated and negative indices,
     through a reduced head), tapped layers' outputs and every cached K/V bit-equal to one kernel
     call per layer, for a cache's rows (causal and block-diffusion scratch passes) and for
     packed forwards (bucketed, and block passes with context ends)."""
@@ -489,7 +489,7 @@ def test_a_whole_forward_in_one_call_computes_the_bits_of_one_call_per_layer(tmp
     def forwards():
         cache = model.new_cache(48, batch=2)
         out = [model(ids[:, :20], 0, cache, logits_at=slice(0, 0)), *model(ids[:, 20:25], 20, cache, taps=(0, 2)),
-               model(ids[:, 25:28], 25, cache, logits_at=[-1, 0]), model(ids[:, 28:29], 28, cache),
+               model(ids[:, 25:28], 25, cache, logits_at=[2, 0, -1]), model(ids[:, 28:29], 28, cache),
                model(ids[:, 29:32], 29, cache, logits_at=[0, 2], head_weight=reduced),
                model(ids[:, 32:35], 32, cache, block_size=8, commit=False, context_end=38, logits_at=[1, 2])]
         with pytest.raises(IndexError):

@@ -403,7 +403,7 @@ torch::Tensor layer(const torch::Tensor& x, const Places& at, const torch::Tenso
                     const torch::Tensor& down_tiles, double eps, const torch::Tensor& cos,
                     const torch::Tensor& signed_sin, const torch::Tensor& cache_k, const torch::Tensor& cache_v,
                     int64_t heads, double scale, const c10::optional<torch::Tensor>& embedded,
-                    const c10::optional<torch::Tensor>& embedded_norm) {
+                    const c10::optional<torch::Tensor>& embedded_norm, const std::vector<int64_t>* outputs = nullptr) {
   const int64_t E = x.size(-1), M = static_cast<int64_t>(at.row.size());
   const int64_t IN = embedded.has_value() ? 2 * E : E;  // what q/k/v read: [normed embedded, normed x] or normed x
   TORCH_CHECK(embedded.has_value() == embedded_norm.has_value(), "embedded and embedded_norm come together");
@@ -418,13 +418,10 @@ torch::Tensor layer(const torch::Tensor& x, const Places& at, const torch::Tenso
   const int64_t G = cache_k.size(1), D = cache_k.size(3), H = heads;
   TORCH_CHECK(G > 0 && H > 0 && H % G == 0 && D > 0 && D <= 128 && D % 2 == 0,
               "decoder_layer: heads must be a multiple of the cache's kv heads, head_dim even and at most 128");
-  int64_t widest = 0;
-  for (int64_t r = 0; r < M; ++r) {
+  for (int64_t r = 0; r < M; ++r)
     TORCH_CHECK(at.row[r] >= 0 && at.row[r] < cache_k.size(0) && at.pos[r] >= 0 && at.pos[r] < at.keys[r] &&
                     at.keys[r] <= cache_k.size(2) && at.rope[r] >= 0 && at.rope[r] < cos.size(0),
                 "decoder_layer: a token's cache row, position, keys or RoPE row is out of range");
-    widest = std::max(widest, at.keys[r]);
-  }
   const int64_t QKV = (H + 2 * G) * D, I = down_tiles.size(1);
   check_tiles(qkv_tiles, IN, QKV, "qkv_tiles");
   check_tiles(o_tiles, H * D, E, "o_tiles");
@@ -442,10 +439,22 @@ torch::Tensor layer(const torch::Tensor& x, const Places& at, const torch::Tenso
                 "cos and signed_sin must be contiguous float32 [positions, head_dim]");
   const float e = static_cast<float>(eps);
   const float* xp = x.data_ptr<float>();
-  auto out = torch::empty_like(x);
+  // the rows whose outputs are made: `outputs` (rows of x, ascending), or all; the others only
+  // write their keys and values
+  std::vector<int64_t> chosen;
+  if (outputs) {
+    for (size_t i = 0; i < outputs->size(); ++i)
+      TORCH_CHECK((*outputs)[i] >= 0 && (*outputs)[i] < M && (i == 0 || (*outputs)[i] > (*outputs)[i - 1]),
+                  "decoder_layer: output rows must be ascending rows of x");
+    chosen = *outputs;
+  } else {
+    for (int64_t r = 0; r < M; ++r) chosen.push_back(r);
+  }
+  const int64_t Y = static_cast<int64_t>(chosen.size());
+  auto out = outputs ? torch::empty({1, Y, E}, x.options()) : torch::empty_like(x);
   float* yp = out.data_ptr<float>();
-  std::vector<float> h(M * IN), qkv(M * QKV), q(M * H * D), attn(M * H * D), gate_up(M * 2 * I), act(M * I),
-      down(M * E);
+  std::vector<float> h(M * IN), qkv(M * QKV), q(Y * H * D), attn(Y * H * D), gate_up(Y * 2 * I), act(Y * I),
+      down(Y * E);
 
   for (int64_t r = 0; r < M; ++r) {
     float* hr = h.data() + r * IN;
@@ -457,37 +466,42 @@ torch::Tensor layer(const torch::Tensor& x, const Places& at, const torch::Tenso
   float* vp = cache_v.data_ptr<float>();
   const int64_t k0 = cache_k.stride(0), k1 = cache_k.stride(1), k2 = cache_k.stride(2);
   const int64_t v0 = cache_v.stride(0), v1 = cache_v.stride(1), v2 = cache_v.stride(2);
-  for (int64_t r = 0; r < M; ++r) {  // normed (Qwen3), rotated queries; keys and values into the cache
+  for (int64_t r = 0, y = 0; r < M; ++r) {  // keys and values into the cache; normed (Qwen3), rotated queries
     const float* c = cos.data_ptr<float>() + at.rope[r] * D;
     const float* sn = signed_sin.data_ptr<float>() + at.rope[r] * D;
     float* row = qkv.data() + r * QKV;
-    for (int64_t i = 0; i < H + G; ++i) {
+    const bool makes_output = y < Y && chosen[y] == r;
+    for (int64_t i = makes_output ? 0 : H; i < H + G; ++i) {
       const bool is_query = i < H;
       rotate_head(row + i * D, is_query ? qn : kn, c, sn,
-                  is_query ? q.data() + (r * H + i) * D : kp + at.row[r] * k0 + (i - H) * k1 + at.pos[r] * k2, D, e);
+                  is_query ? q.data() + (y * H + i) * D : kp + at.row[r] * k0 + (i - H) * k1 + at.pos[r] * k2, D, e);
     }
     for (int64_t g = 0; g < G; ++g)
       std::copy_n(row + (H + G + g) * D, D, vp + at.row[r] * v0 + g * v1 + at.pos[r] * v2);
+    y += makes_output;
   }
+  int64_t widest = 0;
+  for (int64_t r : chosen) widest = std::max(widest, at.keys[r]);
   const int64_t per_group = H / G;
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(widest * D, 1));
-  at::parallel_for(0, M * H, grain, [&](int64_t first, int64_t end) {
+  at::parallel_for(0, Y * H, grain, [&](int64_t first, int64_t end) {
     std::vector<float> scores(widest + 16);
     for (int64_t item = first; item < end; ++item) {
-      const int64_t r = item / H, hh = item % H, g = hh / per_group;
+      const int64_t r = chosen[item / H], hh = item % H, g = hh / per_group;
       kAttendQuery[(D + 15) / 16 - 1](q.data() + item * D, kp + at.row[r] * k0 + g * k1, k2,
                                       vp + at.row[r] * v0 + g * v1, v2, at.keys[r], D, nullptr, 0,
                                       static_cast<float>(scale), scores.data(), attn.data() + item * D);
     }
   });
-  tiled_product(attn.data(), M, H * D, o_tiles, E, yp, nullptr);
-  for (int64_t i = 0; i < M * E; ++i) yp[i] = xp[i] + yp[i];  // the residual: y holds x after attention
-  for (int64_t r = 0; r < M; ++r) rms_norm_row(yp + r * E, post_norm.data_ptr<float>(), h.data() + r * E, E, e);
-  tiled_product(h.data(), M, E, gate_up_tiles, 2 * I, gate_up.data(), nullptr);
-  for (int64_t r = 0; r < M; ++r)
-    swiglu_row(gate_up.data() + r * 2 * I, gate_up.data() + r * 2 * I + I, act.data() + r * I, I);
-  tiled_product(act.data(), M, I, down_tiles, E, down.data(), nullptr);
-  for (int64_t i = 0; i < M * E; ++i) yp[i] += down[i];
+  tiled_product(attn.data(), Y, H * D, o_tiles, E, yp, nullptr);
+  for (int64_t y = 0; y < Y; ++y)  // the residual: y holds x after attention
+    for (int64_t i = 0; i < E; ++i) yp[y * E + i] = xp[chosen[y] * E + i] + yp[y * E + i];
+  for (int64_t y = 0; y < Y; ++y) rms_norm_row(yp + y * E, post_norm.data_ptr<float>(), h.data() + y * E, E, e);
+  tiled_product(h.data(), Y, E, gate_up_tiles, 2 * I, gate_up.data(), nullptr);
+  for (int64_t y = 0; y < Y; ++y)
+    swiglu_row(gate_up.data() + y * 2 * I, gate_up.data() + y * 2 * I + I, act.data() + y * I, I);
+  tiled_product(act.data(), Y, I, down_tiles, E, down.data(), nullptr);
+  for (int64_t i = 0; i < Y * E; ++i) yp[i] += down[i];
   return out;
 }
 
@@ -643,10 +657,20 @@ std::vector<torch::Tensor> stack_forward(const LayerStack& stack, const std::vec
   }
   const int64_t F = static_cast<int64_t>(taps.size()) * E;
   auto features = torch::empty({N, F}, embedding.options());
+  // Unless tapped, the last layer makes outputs only for the rows the head reads (the others
+  // write their keys and values): the same bits for those rows, as a row's output does not
+  // depend on the others'. `read[r]`: where row logits_at[r] is in x after the layers.
+  std::vector<int64_t> wanted(logits_at), read(logits_at);
+  std::sort(wanted.begin(), wanted.end());
+  wanted.erase(std::unique(wanted.begin(), wanted.end()), wanted.end());
+  const bool trim = L > 0 && (taps.empty() || taps.back() != L - 1);
+  if (trim)
+    for (auto& r : read) r = std::lower_bound(wanted.begin(), wanted.end(), r) - wanted.begin();
   for (int64_t i = 0, tapped = 0; i < L; ++i) {
     const auto& [input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down, layer_eps] = stack.layers[i];
     x = layer(x, at, input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down, layer_eps, cos, signed_sin,
-              keys[i], values[i], stack.heads, stack.scale, beside, embedded_norm);
+              keys[i], values[i], stack.heads, stack.scale, beside, embedded_norm,
+              trim && i == L - 1 ? &wanted : nullptr);
     if (tapped < static_cast<int64_t>(taps.size()) && taps[tapped] == i) {
       for (int64_t n = 0; n < N; ++n)
         std::copy_n(x.data_ptr<float>() + n * E, E, features.data_ptr<float>() + n * F + tapped * E);
@@ -655,7 +679,7 @@ std::vector<torch::Tensor> stack_forward(const LayerStack& stack, const std::vec
   }
   std::vector<float> normed(R * E);
   for (int64_t r = 0; r < R; ++r) {
-    rms_norm_row(x.data_ptr<float>() + logits_at[r] * E, norm.data_ptr<float>(), normed.data() + r * E, E,
+    rms_norm_row(x.data_ptr<float>() + read[r] * E, norm.data_ptr<float>(), normed.data() + r * E, E,
                  static_cast<float>(eps));
   }
   auto logits = torch::empty({R, vocab}, embedding.options());
