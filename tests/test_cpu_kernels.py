@@ -639,6 +639,48 @@ def test_an_eagle3_step_with_its_logits_in_one_call_computes_the_bits_of_its_par
 
 
 @AVX512
+def test_greedy_eagle3_drafts_of_several_steps_in_one_call_are_the_step_by_step_drafts(tmp_path, monkeypatch):
+    """`Eagle3Drafter.draft` of several greedy tokens in one `chain_steps` call drafts the
+    tokens and confidences of the steps one at a time, and leaves the same last output, cache
+    and written K/V: with the target's vocabulary and with a draft vocabulary's map. A draft
+    of one token takes the step path."""
+    from failfast.drafters.eagle3 import Eagle3Drafter
+
+    target_cfg = tiny_config(vocab_size=120, intermediate_size=96)
+    target = load_model(write_model(tmp_path / "t", target_cfg, seed=0))
+    loaded = load_model(write_model(tmp_path / "d", tiny_eagle3_config(target_cfg), seed=1))
+    ids = torch.randint(0, 120, (1, 14), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        features = target.model.features(ids, loaded.config.target_layer_ids)[0]
+    steps = []
+    real = cpu_kernels.kernels().chain_steps
+    monkeypatch.setattr(cpu_kernels.kernels(), "chain_steps", lambda *args: steps.append(args[4]) or real(*args))
+
+    def drafts(draft_vocab):
+        drafter = Eagle3Drafter(loaded, target, 120, draft_vocab)
+        drafter.prepare(30)
+        drafter.add_context(0, features[:13])
+        with torch.inference_mode():
+            drafter.begin(ids[0].tolist())
+            out = [drafter.draft(3), drafter.draft(1), drafter.draft(4)]
+        return out, [drafter.hidden, *drafter.cache.keys, *drafter.cache.values], [drafter.cache.length,
+                                                                                   drafter.next_position]
+
+    for draft_vocab in (None, list(range(0, 120, 2))):
+        chained = drafts(draft_vocab)
+        assert steps == [3, 4]
+        with monkeypatch.context() as patch:
+            patch.setattr(Eagle3Model, "greedy_chain", lambda *args: None)
+            stepped = drafts(draft_vocab)
+        steps.clear()
+        assert chained[0] == stepped[0] and chained[2] == stepped[2] == [20, 22]
+        assert all(len(tokens) == len(confs) for tokens, confs in chained[0])
+        assert all(torch.equal(a, b) for a, b in zip(chained[1], stepped[1], strict=True))
+        if draft_vocab is not None:
+            assert all(t % 2 == 0 for tokens, _ in chained[0] for t in tokens)
+
+
+@AVX512
 def test_eagle3_context_writes_in_one_call_compute_the_op_by_op_keys_and_values(tmp_path, monkeypatch):
     """`write_context` in one call (`slot_kv`: [normed embedding, normed hidden] through the
     fused q/k/v tiles) writes the op-by-op keys and values up to float32 rounding, at the

@@ -86,6 +86,22 @@ class Eagle3Drafter(ChainDrafter, TargetFeatureDrafter):
         self.cache.length += 1
         return self._take(out, logits)
 
+    def draft(self, count: int) -> tuple[list[int], list[float]]:
+        """`count` chain steps: greedy ones in one kernel call where it serves
+        (`Eagle3Model.greedy_chain`: the tokens of the steps one by one, without the Python
+        between them), else step by step."""
+        greedy = self.sampler is None or (self.sampler.params.greedy and not self.sampler.params.penalized)
+        if count > 1 and greedy and (self.vocab_list is not None or not self.banned) and (
+                chain := self.model.greedy_chain(self.next_token, self.hidden, count, self.cache, self.head_weight,
+                                                 self.vocab_limit, self.vocab_list)) is not None:
+            tokens, confs, self.hidden = chain
+            self.cache.length += count
+            self.next_token = tokens[-1]
+            self.next_position += count
+            self.forwards += count
+            return tokens, confs
+        return super().draft(count)
+
     @staticmethod
     def draft_rows(drafters: list["Eagle3Drafter"], wants: dict[int, int],
                    shared: KVCache) -> dict[int, tuple[list[int], list[float]]]:

@@ -784,6 +784,38 @@ void slot_kv(const LayerStack& stack, const std::vector<int64_t>& tokens, const 
 // the forward just wrote, instead of several PyTorch ops on cold caches (~60 us each). None
 // where the logits are not a contiguous float32 CPU matrix with a column: PyTorch picks then
 // (the checks are here because reading a tensor's dtype and device from Python cost ~40 us).
+// A row's argmax among its first `limit` columns (the first on ties; a NaN counts as the
+// largest, the first NaN wins) and, with `confidence`, its softmax probability among them (NaN
+// where the row has a NaN or no finite maximum, as PyTorch's softmax gives).
+std::pair<int64_t, double> pick_row(const float* row, int64_t limit, bool confidence) {
+  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 nan = 0;
+  int64_t i = 0;
+  for (; i < limit && !nan; i += 16) {
+    const __mmask16 lanes = first_lanes(limit - i);
+    const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), lanes, row + i);
+    nan = _mm512_mask_cmp_ps_mask(lanes, v, v, _CMP_UNORD_Q);
+    top = _mm512_max_ps(top, v);
+  }
+  const double no_probability = std::numeric_limits<double>::quiet_NaN();
+  if (nan) return {i - 16 + __builtin_ctz(nan), no_probability};  // the block that had one is the last read
+  const float best = _mm512_reduce_max_ps(top);
+  int64_t at = 0;
+  while (row[at] != best) ++at;
+  if (!confidence) return {at, 0.0};
+  if (!std::isfinite(best)) return {at, no_probability};  // e^(inf - inf)
+  const __m512 shift = _mm512_set1_ps(best);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < limit; j += 16) {
+    const __mmask16 lanes = first_lanes(limit - j);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, row + j), shift));
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(lanes, e));
+  }
+  return {at, 1.0 / static_cast<double>(_mm512_reduce_add_ps(sum))};
+}
+
+// row_picks: pick_row for every row of logits [R, V] as host lists (ids, and confidences when
+// asked); None (PyTorch then picks) for anything but a contiguous float32 CPU matrix.
 py::object row_picks(const torch::Tensor& logits, c10::optional<int64_t> limit_or_all, bool confidence) {
   if (!(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == torch::kFloat &&
         logits.device().is_cpu() && logits.size(1) > 0))
@@ -793,40 +825,44 @@ py::object row_picks(const torch::Tensor& logits, c10::optional<int64_t> limit_o
   std::vector<int64_t> ids(R);
   std::vector<double> confs(confidence ? R : 0);
   for (int64_t r = 0; r < R; ++r) {
-    const float* row = logits.data_ptr<float>() + r * V;
-    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    __mmask16 nan = 0;
-    int64_t i = 0;
-    for (; i < limit && !nan; i += 16) {
-      const __mmask16 lanes = first_lanes(limit - i);
-      const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), lanes, row + i);
-      nan = _mm512_mask_cmp_ps_mask(lanes, v, v, _CMP_UNORD_Q);
-      top = _mm512_max_ps(top, v);
-    }
-    if (nan) {  // the first NaN (the block that had one is the last read)
-      ids[r] = i - 16 + __builtin_ctz(nan);
-      if (confidence) confs[r] = std::numeric_limits<double>::quiet_NaN();
-      continue;
-    }
-    const float best = _mm512_reduce_max_ps(top);
-    int64_t at = 0;
-    while (row[at] != best) ++at;
-    ids[r] = at;
-    if (!confidence) continue;
-    if (!std::isfinite(best)) {  // e^(inf - inf): no probability, as PyTorch's softmax gives NaN
-      confs[r] = std::numeric_limits<double>::quiet_NaN();
-      continue;
-    }
-    const __m512 shift = _mm512_set1_ps(best);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < limit; j += 16) {
-      const __mmask16 lanes = first_lanes(limit - j);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, row + j), shift));
-      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(lanes, e));
-    }
-    confs[r] = 1.0 / static_cast<double>(_mm512_reduce_add_ps(sum));
+    const auto [id, conf] = pick_row(logits.data_ptr<float>() + r * V, limit, confidence);
+    ids[r] = id;
+    if (confidence) confs[r] = conf;
   }
   return py::make_tuple(ids, confs);
+}
+
+// chain_steps: `steps` greedy EAGLE-3 chain steps in one call (model/eagle3.py's step_logits
+// on cache row 0, then the drafter's pick, `steps` times): step s feeds `token` at position
+// `position` + s with the hidden state [1, E] through the one-layer stack (stack_forward with
+// `hidden`, its layer's output tapped), picks the argmax of its logits' first `limit` columns
+// with its probability (pick_row), maps it through `vocab` (a draft vocabulary's token ids; none:
+// the column is the id), and hands the token and the layer's output to the next step. The same
+// calls as the steps one by one, so the same bits. Returns (tokens, confidences, the last
+// step's output [1, E]).
+py::tuple chain_steps(const LayerStack& stack, int64_t token, const torch::Tensor& hidden, int64_t position,
+                      int64_t steps, const torch::Tensor& embedding, const torch::Tensor& cos,
+                      const torch::Tensor& signed_sin, const std::vector<torch::Tensor>& keys,
+                      const std::vector<torch::Tensor>& values, const torch::Tensor& norm, double eps,
+                      const torch::Tensor& head_tiles, int64_t head_rows, const torch::Tensor& embedded_norm,
+                      int64_t limit, const std::vector<int64_t>& vocab) {
+  TORCH_CHECK(steps >= 1 && limit >= 1 && limit <= head_rows &&
+                  (vocab.empty() || static_cast<int64_t>(vocab.size()) >= limit),
+              "chain_steps: steps >= 1, and a limit within the head's rows and the vocabulary map");
+  std::vector<int64_t> tokens;
+  std::vector<double> confs;
+  torch::Tensor h = hidden;
+  for (int64_t s = 0; s < steps; ++s) {
+    const auto places = torch::tensor({int64_t{0}, position + s, position + s + 1}, torch::kLong).view({3, 1});
+    const auto out = stack_forward(stack, {token}, 1, places, 0, 0, 0, embedding, cos, signed_sin, keys, values, norm,
+                                   eps, head_tiles, head_rows, {0}, {0}, h, embedded_norm);
+    const auto [column, conf] = pick_row(out[0].data_ptr<float>(), limit, true);
+    token = vocab.empty() ? column : vocab[column];
+    tokens.push_back(token);
+    confs.push_back(conf);
+    h = out[1];
+  }
+  return py::make_tuple(tokens, confs, h);
 }
 
 // A model's parameters, to tell cheaply whether any changed in place or changed whether it
@@ -886,6 +922,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](std::vector<torch::Tensor> tensors) { return ParameterWatch{std::move(tensors)}; }));
   m.def("parameter_state", &parameter_state,
         "(summed version counters, indices of the parameters that take gradients), or None if one keeps no counter");
+  m.def("chain_steps", &chain_steps, "greedy EAGLE-3 chain steps in one call");
   m.def("row_picks", &row_picks,
         "each float32 logits row's argmax among its first `limit` columns and, with `confidence`, its softmax probability",
         py::arg("logits"), py::arg("limit"), py::arg("confidence"));

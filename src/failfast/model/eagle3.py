@@ -188,6 +188,30 @@ class Eagle3Model(BorrowsTargetParts):
                                       embedded_norm=w.embedded_norm)
         return out.view(b, 1, -1), logits
 
+    def greedy_chain(self, token: int, hidden: Tensor, steps: int, cache: KVCache,
+                     head_weight: TiledWeight | Tensor | None, vocab_limit: int,
+                     vocab: list[int] | None) -> tuple[list[int], list[float], Tensor] | None:
+        """`steps` chain steps from the cache's next slot (row 0) in one kernel call
+        (`cpu_kernels.chain_steps`): each step's output [1, 1, hidden] and the greedy pick of
+        its logits (the first `vocab_limit` columns, or through the draft vocabulary `vocab`)
+        feed the next, as `step_logits` and a drafter's greedy `picks` would one step at a
+        time, with the same bits. The tokens, their probabilities and the last output; the
+        caller advances the cache. None where `_whole_step` would not serve, or the steps would
+        pass the cache's end."""
+        if (torch.is_grad_enabled() and hidden.requires_grad) or hidden.dtype != torch.float32 or (
+                cache.length + steps > cache.capacity) or (parts := self.whole_call_parts(head_weight)) is None or (
+                w := self._kernel_weights(cache, 1)) is None:
+            return None
+        embedding, head = parts
+        rows = head.weight.shape[0]
+        limit = rows if vocab is not None else min(vocab_limit, rows)
+        cos, signed_sin = self.rotary.tables(cache.length + steps, torch.float32)
+        tokens, confs, out = cpu_kernels.kernels().chain_steps(  # type: ignore[union-attr]
+            kept_layer_stack(self), token, hidden.reshape(1, -1).contiguous(), cache.length, steps, embedding, cos,
+            signed_sin, cache.keys, cache.values, self.norm.weight, self.norm.eps, head.tiles, rows, w.embedded_norm,
+            limit, vocab or [])
+        return tokens, confs, out.view(1, 1, -1)
+
     def logits_input(self, output: Tensor) -> Tensor:
         """What the target's head reads: the normed layer output."""
         return self.norm(output)
