@@ -681,6 +681,44 @@ def test_greedy_eagle3_drafts_of_several_steps_in_one_call_are_the_step_by_step_
 
 
 @AVX512
+def test_greedy_ar_drafts_of_several_steps_in_one_call_are_the_step_by_step_drafts(tmp_path, monkeypatch):
+    """`ARDrafter.draft` of several greedy tokens in one `chain_steps` call (its first step
+    feeding the pending tokens: a prompt, then a round's accepted tokens) drafts the step-by-step
+    tokens and confidences and leaves the same cache, with and without a draft vocabulary."""
+    from failfast.drafters.autoregressive import ARDrafter
+
+    loaded = load_model(write_model(tmp_path / "d", tiny_config(vocab_size=120, intermediate_size=96), seed=2))
+    ids = torch.randint(0, 120, (14,), generator=torch.Generator().manual_seed(7)).tolist()
+    steps = []
+    real = cpu_kernels.kernels().chain_steps
+    monkeypatch.setattr(cpu_kernels.kernels(), "chain_steps", lambda *args: steps.append((len(args[1]), args[4]))
+                        or real(*args))
+
+    def drafts(draft_vocab):
+        drafter = ARDrafter(loaded, 120, draft_vocab=draft_vocab)
+        drafter.prepare(40)
+        with torch.inference_mode():
+            drafter.begin(ids[:10])
+            out = [drafter.draft(3), drafter.draft(1)]
+            drafter.begin(ids[:10] + out[0][0][:1] + ids[12:14])  # one accepted, then other tokens
+            out.append(drafter.draft(5))
+        return out, [*drafter.cache.keys, *drafter.cache.values], [drafter.cache.length, drafter.cache_ids,
+                                                                  drafter._pending, drafter.forwards]
+
+    for draft_vocab in (None, list(range(1, 120, 3))):
+        chained = drafts(draft_vocab)
+        assert steps == [(10, 3), (2, 5)]  # the prompt; the two tokens after the accepted one
+        with monkeypatch.context() as patch:
+            patch.setattr(Transformer, "greedy_chain", lambda *args: None)
+            stepped = drafts(draft_vocab)
+        steps.clear()
+        assert chained[0] == stepped[0] and chained[2] == stepped[2] and chained[2][0] == 17
+        assert all(torch.equal(a, b) for a, b in zip(chained[1], stepped[1], strict=True))
+        if draft_vocab is not None:
+            assert all(t % 3 == 1 for tokens, _ in chained[0] for t in tokens)
+
+
+@AVX512
 def test_eagle3_context_writes_in_one_call_compute_the_op_by_op_keys_and_values(tmp_path, monkeypatch):
     """`write_context` in one call (`slot_kv`: [normed embedding, normed hidden] through the
     fused q/k/v tiles) writes the op-by-op keys and values up to float32 rounding, at the

@@ -109,15 +109,21 @@ class ModelDrafter:
         conf, index = torch.softmax(logits.float(), dim=-1).max(dim=-1)
         return (self.vocab_ids[index] if self.vocab_ids is not None else index), conf
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Whether a pick is the argmax of the logits' columns: greedy and unpenalized, with no
+        banned token outside a draft vocabulary (which holds none). Such picks, and chains of
+        them, can run in one kernel call."""
+        greedy = self.sampler is None or (self.sampler.params.greedy and not self.sampler.params.penalized)
+        return greedy and (self.vocab_ids is not None or not self.banned)
+
     def picks(self, logits: Tensor, positions: Sequence[int]) -> tuple[list[int], list[float]]:
         """`pick` for logits [N, V] as host lists. A greedy, unpenalized pick of float32 logits
         on an AVX-512 CPU is one kernel call (`sampling.row_picks`) instead of a softmax, a max
         and host reads: its confidences round like the kernel's exp, not PyTorch's softmax,
         which may change a draft but never what is committed."""
-        greedy = self.sampler is None or (self.sampler.params.greedy and not self.sampler.params.penalized)
         limit = logits.shape[-1] if self.vocab_ids is not None else min(self.vocab_limit, logits.shape[-1])
-        if greedy and (self.vocab_ids is not None or not self.banned) and (
-                found := row_picks(logits, limit, confidence=True)) is not None:
+        if self.plain_greedy and (found := row_picks(logits, limit, confidence=True)) is not None:
             ids, confs = found
             return ([self.vocab_list[i] for i in ids] if self.vocab_list is not None else ids), confs
         tok, conf = self.pick(logits, positions)

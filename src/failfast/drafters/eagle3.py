@@ -90,8 +90,7 @@ class Eagle3Drafter(ChainDrafter, TargetFeatureDrafter):
         """`count` chain steps: greedy ones in one kernel call where it serves
         (`Eagle3Model.greedy_chain`: the tokens of the steps one by one, without the Python
         between them), else step by step."""
-        greedy = self.sampler is None or (self.sampler.params.greedy and not self.sampler.params.penalized)
-        if count > 1 and greedy and (self.vocab_list is not None or not self.banned) and (
+        if count > 1 and self.plain_greedy and (
                 chain := self.model.greedy_chain(self.next_token, self.hidden, count, self.cache, self.head_weight,
                                                  self.vocab_limit, self.vocab_list)) is not None:
             tokens, confs, self.hidden = chain

@@ -832,37 +832,49 @@ py::object row_picks(const torch::Tensor& logits, c10::optional<int64_t> limit_o
   return py::make_tuple(ids, confs);
 }
 
-// chain_steps: `steps` greedy EAGLE-3 chain steps in one call (model/eagle3.py's step_logits
-// on cache row 0, then the drafter's pick, `steps` times): step s feeds `token` at position
-// `position` + s with the hidden state [1, E] through the one-layer stack (stack_forward with
-// `hidden`, its layer's output tapped), picks the argmax of its logits' first `limit` columns
-// with its probability (pick_row), maps it through `vocab` (a draft vocabulary's token ids; none:
-// the column is the id), and hands the token and the layer's output to the next step. The same
-// calls as the steps one by one, so the same bits. Returns (tokens, confidences, the last
-// step's output [1, E]).
-py::tuple chain_steps(const LayerStack& stack, int64_t token, const torch::Tensor& hidden, int64_t position,
-                      int64_t steps, const torch::Tensor& embedding, const torch::Tensor& cos,
+// chain_steps: `steps` greedy steps of a chain drafter in one call, each the stack_forward call
+// its step makes and the pick its drafter makes, so the same bits as the steps one by one. Step
+// s feeds its tokens at positions `position`.. of cache row 0 (the first step `tokens`, each
+// later one the token just drafted) and picks the argmax of its last row's logits among their
+// first `limit` columns with its probability (pick_row), mapped through `vocab` (a draft
+// vocabulary's token ids; none: the column is the id). With `hidden` [1, E] (EAGLE-3,
+// model/eagle3.py's step_logits) a step's hidden state goes through the one-layer stack beside
+// the token's embedding and the layer's output (tapped) is the next step's hidden state;
+// without it (an AR drafter) a step is a causal forward. Returns (tokens, confidences, the
+// last step's output [1, E] or None).
+py::tuple chain_steps(const LayerStack& stack, std::vector<int64_t> tokens, const c10::optional<torch::Tensor>& hidden,
+                      int64_t position, int64_t steps, const torch::Tensor& embedding, const torch::Tensor& cos,
                       const torch::Tensor& signed_sin, const std::vector<torch::Tensor>& keys,
                       const std::vector<torch::Tensor>& values, const torch::Tensor& norm, double eps,
-                      const torch::Tensor& head_tiles, int64_t head_rows, const torch::Tensor& embedded_norm,
-                      int64_t limit, const std::vector<int64_t>& vocab) {
-  TORCH_CHECK(steps >= 1 && limit >= 1 && limit <= head_rows &&
-                  (vocab.empty() || static_cast<int64_t>(vocab.size()) >= limit),
-              "chain_steps: steps >= 1, and a limit within the head's rows and the vocabulary map");
-  std::vector<int64_t> tokens;
+                      const torch::Tensor& head_tiles, int64_t head_rows,
+                      const c10::optional<torch::Tensor>& embedded_norm, int64_t limit,
+                      const std::vector<int64_t>& vocab) {
+  TORCH_CHECK(steps >= 1 && !tokens.empty() && (!hidden.has_value() || tokens.size() == 1) && limit >= 1 &&
+                  limit <= head_rows && (vocab.empty() || static_cast<int64_t>(vocab.size()) >= limit),
+              "chain_steps: steps >= 1, tokens (one with hidden), a limit within the head's rows and the vocabulary");
+  std::vector<int64_t> drafted;
   std::vector<double> confs;
-  torch::Tensor h = hidden;
+  c10::optional<torch::Tensor> h = hidden;
   for (int64_t s = 0; s < steps; ++s) {
-    const auto places = torch::tensor({int64_t{0}, position + s, position + s + 1}, torch::kLong).view({3, 1});
-    const auto out = stack_forward(stack, {token}, 1, places, 0, 0, 0, embedding, cos, signed_sin, keys, values, norm,
-                                   eps, head_tiles, head_rows, {0}, {0}, h, embedded_norm);
+    const int64_t n = static_cast<int64_t>(tokens.size());
+    std::vector<torch::Tensor> out;
+    if (h.has_value()) {
+      const auto places = torch::tensor({int64_t{0}, position, position + 1}, torch::kLong).view({3, 1});
+      out = stack_forward(stack, tokens, 1, places, 0, 0, 0, embedding, cos, signed_sin, keys, values, norm, eps,
+                          head_tiles, head_rows, {0}, {0}, h, embedded_norm);
+      h = out[1];
+    } else {
+      out = stack_forward(stack, tokens, 1, c10::nullopt, position, position + n, 0, embedding, cos, signed_sin, keys,
+                          values, norm, eps, head_tiles, head_rows, {n - 1}, {}, c10::nullopt, c10::nullopt);
+    }
     const auto [column, conf] = pick_row(out[0].data_ptr<float>(), limit, true);
-    token = vocab.empty() ? column : vocab[column];
-    tokens.push_back(token);
+    const int64_t token = vocab.empty() ? column : vocab[column];
+    drafted.push_back(token);
     confs.push_back(conf);
-    h = out[1];
+    position += n;
+    tokens = {token};
   }
-  return py::make_tuple(tokens, confs, h);
+  return py::make_tuple(drafted, confs, h.has_value() ? py::cast(*h) : py::none());
 }
 
 // A model's parameters, to tell cheaply whether any changed in place or changed whether it
@@ -922,7 +934,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](std::vector<torch::Tensor> tensors) { return ParameterWatch{std::move(tensors)}; }));
   m.def("parameter_state", &parameter_state,
         "(summed version counters, indices of the parameters that take gradients), or None if one keeps no counter");
-  m.def("chain_steps", &chain_steps, "greedy EAGLE-3 chain steps in one call");
+  m.def("chain_steps", &chain_steps, "greedy chain-drafter steps in one call");
   m.def("row_picks", &row_picks,
         "each float32 logits row's argmax among its first `limit` columns and, with `confidence`, its softmax probability",
         py::arg("logits"), py::arg("limit"), py::arg("confidence"));

@@ -23,8 +23,8 @@ from failfast.model.config import ModelConfig
 from failfast.model.kv_cache import KVCache
 from failfast.model import cpu_kernels
 from failfast.model.tiled import TiledWeight
-from failfast.model.transformer import (MLP, Attention, LayerKernelWeights, Linear, RMSNorm, Rotary, kept_layer_stack,
-                                        kernel_layer_args, kernel_layer_weights, layer_kernel_weights, linear)
+from failfast.model.transformer import (MLP, Attention, LayerKernelWeights, Linear, RMSNorm, Rotary, greedy_chain_call,
+                                        kept_layer_stack, kernel_layer_args, kernel_layer_weights, layer_kernel_weights, linear)
 
 
 class Eagle3Layer(nn.Module):
@@ -192,7 +192,7 @@ class Eagle3Model(BorrowsTargetParts):
                      head_weight: TiledWeight | Tensor | None, vocab_limit: int,
                      vocab: list[int] | None) -> tuple[list[int], list[float], Tensor] | None:
         """`steps` chain steps from the cache's next slot (row 0) in one kernel call
-        (`cpu_kernels.chain_steps`): each step's output [1, 1, hidden] and the greedy pick of
+        (`greedy_chain_call`): each step's output [1, 1, hidden] and the greedy pick of
         its logits (the first `vocab_limit` columns, or through the draft vocabulary `vocab`)
         feed the next, as `step_logits` and a drafter's greedy `picks` would one step at a
         time, with the same bits. The tokens, their probabilities and the last output; the
@@ -203,13 +203,9 @@ class Eagle3Model(BorrowsTargetParts):
                 w := self._kernel_weights(cache, 1)) is None:
             return None
         embedding, head = parts
-        rows = head.weight.shape[0]
-        limit = rows if vocab is not None else min(vocab_limit, rows)
-        cos, signed_sin = self.rotary.tables(cache.length + steps, torch.float32)
-        tokens, confs, out = cpu_kernels.kernels().chain_steps(  # type: ignore[union-attr]
-            kept_layer_stack(self), token, hidden.reshape(1, -1).contiguous(), cache.length, steps, embedding, cos,
-            signed_sin, cache.keys, cache.values, self.norm.weight, self.norm.eps, head.tiles, rows, w.embedded_norm,
-            limit, vocab or [])
+        tokens, confs, out = greedy_chain_call(kept_layer_stack(self), [token], hidden.reshape(1, -1).contiguous(),
+                                               steps, cache, embedding, self.rotary, self.norm.weight, self.norm.eps,
+                                               head, w.embedded_norm, vocab_limit, vocab)
         return tokens, confs, out.view(1, 1, -1)
 
     def logits_input(self, output: Tensor) -> Tensor:

@@ -568,6 +568,23 @@ def kept_layer_stack(owner: nn.Module) -> object:
     return plan.stack[0]
 
 
+def greedy_chain_call(stack: object, tokens: list[int], hidden: Tensor | None, steps: int, cache: KVCache,
+                      embedding: Tensor, rotary: "Rotary", norm_weight: Tensor, eps: float, head: TiledWeight,
+                      embedded_norm: Tensor | None, vocab_limit: int,
+                      vocab: list[int] | None) -> tuple[list[int], list[float], Tensor | None]:
+    """`steps` greedy chain steps from the cache's next position (row 0) in one kernel call
+    (`cpu_kernels.chain_steps`; docs/design.md, "Greedy chains in one call"): the first feeds
+    `tokens`, each later one the token just drafted; a step picks as a drafter's greedy `picks`
+    does (the first `vocab_limit` columns of the head's logits, or the draft vocabulary
+    `vocab`'s ids). (tokens, probabilities, the last output with `hidden`); the caller advances
+    the cache."""
+    rows = head.weight.shape[0]
+    cos, signed_sin = rotary.tables(cache.length + len(tokens) + steps - 1, torch.float32)
+    return cpu_kernels.kernels().chain_steps(  # type: ignore[union-attr]
+        stack, tokens, hidden, cache.length, steps, embedding, cos, signed_sin, cache.keys, cache.values, norm_weight,
+        eps, head.tiles, rows, embedded_norm, rows if vocab is not None else min(vocab_limit, rows), vocab or [])
+
+
 def key_ends(ragged: Ragged, block_size: int | None, read_end: int, context_ends: list[int] | None) -> Tensor:
     """Where each packed token's keys end (`attention_mask`'s keys as a range): after its own
     position (causal) or at the end of its block and the forward's read end (block diffusion),
@@ -781,6 +798,25 @@ class Transformer(nn.Module):
             default_head = head if isinstance(head, TiledWeight) and self.lm_head.bias is None else None
             plan.parts.append((kept_layer_stack(self), embedding, norm.weight, norm.eps, default_head) if fits else None)
         return plan.parts[0]
+
+    def greedy_chain(self, tokens: list[int], steps: int, cache: KVCache, head_weight: Tensor | TiledWeight | None,
+                     vocab_limit: int, vocab: list[int] | None) -> tuple[list[int], list[float]] | None:
+        """`steps` greedy steps of an AR drafter in one kernel call (`greedy_chain_call`): the
+        first forward feeds `tokens` at the cache's next positions, each later one the token
+        just drafted, each picking from its last row's logits; the same bits as `forward` and a
+        greedy pick step by step. None where `_whole_forward` would not serve or the steps would
+        pass the cache's end."""
+        n = len(tokens)
+        if cache.length + n + steps - 1 > cache.capacity or n > MAX_ROWS or self._kernel_layers(n, cache) is None or (
+                parts := self._whole_parts()) is None:
+            return None
+        stack, embedding, norm_weight, eps, default_head = parts
+        head = default_head if head_weight is None else head_weight
+        if not isinstance(head, TiledWeight):
+            return None
+        drafted, confs, _ = greedy_chain_call(stack, tokens, None, steps, cache, embedding, self.rotary, norm_weight,
+                                              eps, head, None, vocab_limit, vocab)
+        return drafted, confs
 
     def _head(self, hidden: Tensor, head_weight: Tensor | TiledWeight | None) -> Tensor:
         return self.lm_head(hidden) if head_weight is None else linear(hidden, head_weight)
