@@ -684,7 +684,8 @@ def test_greedy_eagle3_drafts_of_several_steps_in_one_call_are_the_step_by_step_
 def test_greedy_ar_drafts_of_several_steps_in_one_call_are_the_step_by_step_drafts(tmp_path, monkeypatch):
     """`ARDrafter.draft` of several greedy tokens in one `chain_steps` call (its first step
     feeding the pending tokens: a prompt, then a round's accepted tokens) drafts the step-by-step
-    tokens and confidences and leaves the same cache, with and without a draft vocabulary."""
+    tokens and confidences and leaves the same cache: with and without a draft vocabulary, and
+    with a column limit that binds. Picks that are not plain argmaxes take the step path."""
     from failfast.drafters.autoregressive import ARDrafter
 
     loaded = load_model(write_model(tmp_path / "d", tiny_config(vocab_size=120, intermediate_size=96), seed=2))
@@ -694,8 +695,8 @@ def test_greedy_ar_drafts_of_several_steps_in_one_call_are_the_step_by_step_draf
     monkeypatch.setattr(cpu_kernels.kernels(), "chain_steps", lambda *args: steps.append((len(args[1]), args[4]))
                         or real(*args))
 
-    def drafts(draft_vocab):
-        drafter = ARDrafter(loaded, 120, draft_vocab=draft_vocab)
+    def drafts(draft_vocab, vocab_limit=120):
+        drafter = ARDrafter(loaded, vocab_limit, draft_vocab=draft_vocab)
         drafter.prepare(40)
         with torch.inference_mode():
             drafter.begin(ids[:10])
@@ -705,17 +706,25 @@ def test_greedy_ar_drafts_of_several_steps_in_one_call_are_the_step_by_step_draf
         return out, [*drafter.cache.keys, *drafter.cache.values], [drafter.cache.length, drafter.cache_ids,
                                                                   drafter._pending, drafter.forwards]
 
-    for draft_vocab in (None, list(range(1, 120, 3))):
-        chained = drafts(draft_vocab)
+    drafted = {}
+    for draft_vocab, limit in ((None, 120), (list(range(1, 120, 3)), 120), (None, 60)):
+        chained = drafts(draft_vocab, limit)
         assert steps == [(10, 3), (2, 5)]  # the prompt; the two tokens after the accepted one
         with monkeypatch.context() as patch:
             patch.setattr(Transformer, "greedy_chain", lambda *args: None)
-            stepped = drafts(draft_vocab)
+            stepped = drafts(draft_vocab, limit)
         steps.clear()
         assert chained[0] == stepped[0] and chained[2] == stepped[2] and chained[2][0] == 17
         assert all(torch.equal(a, b) for a, b in zip(chained[1], stepped[1], strict=True))
-        if draft_vocab is not None:
-            assert all(t % 3 == 1 for tokens, _ in chained[0] for t in tokens)
+        drafted[draft_vocab is not None, limit] = [t for tokens, _ in chained[0] for t in tokens]
+    assert all(t % 3 == 1 for t in drafted[True, 120])
+    assert max(drafted[False, 120]) >= 60 > max(drafted[False, 60])  # the column limit binds
+    banning = ARDrafter(loaded, 120)  # a banned token (as sampling or penalties) takes the step path
+    banning.banned = [5]
+    banning.prepare(40)
+    with torch.inference_mode():
+        banning.begin(ids[:10])
+        assert len(banning.draft(4)[0]) == 4 and steps == []
 
 
 @AVX512

@@ -67,7 +67,9 @@ def measure_costs(target: LoadedModel, drafter: Drafter, prompt_ids: list[int], 
     as earlier rounds of a generation do), asked for `chunk` tokens at a time as the policy
     will ask (a sliding block-diffusion window drafts one request per pass). A block drafter
     that drafts `tokens_per_pass` at once is timed on one pass (a second pass for one more
-    token would double the estimate)."""
+    token would double the estimate). The drafter drafts greedily here, so a chain drafter runs
+    each request's steps in one call ("Greedy chains in one call" in docs/design.md): a
+    generation that samples or penalizes drafts step by step and pays more per token."""
     # behind prompt lookup, time the model drafter: copies cost nothing, and the first prompt
     # may hold none or many of them
     drafter = getattr(drafter, "inner", None) or drafter

@@ -777,13 +777,6 @@ void slot_kv(const LayerStack& stack, const std::vector<int64_t>& tokens, const 
                     "slot_kv");
 }
 
-// row_picks: for each row of float32 logits [R, V], the first index of its largest value among
-// the first `limit` columns (all without a limit) (a NaN counts as largest, as PyTorch's argmax has it) and, with
-// `confidence`, that value's softmax probability 1 / sum_j e^(l_j - max) (exp16's rounding,
-// not PyTorch's softmax). A greedy verification or drafting step reads these from the logits
-// the forward just wrote, instead of several PyTorch ops on cold caches (~60 us each). None
-// where the logits are not a contiguous float32 CPU matrix with a column: PyTorch picks then
-// (the checks are here because reading a tensor's dtype and device from Python cost ~40 us).
 // A row's argmax among its first `limit` columns (the first on ties; a NaN counts as the
 // largest, the first NaN wins) and, with `confidence`, its softmax probability among them (NaN
 // where the row has a NaN or no finite maximum, as PyTorch's softmax gives).
@@ -814,8 +807,11 @@ std::pair<int64_t, double> pick_row(const float* row, int64_t limit, bool confid
   return {at, 1.0 / static_cast<double>(_mm512_reduce_add_ps(sum))};
 }
 
-// row_picks: pick_row for every row of logits [R, V] as host lists (ids, and confidences when
-// asked); None (PyTorch then picks) for anything but a contiguous float32 CPU matrix.
+// row_picks: pick_row for each row of float32 logits [R, V] (all columns without a limit), as
+// host lists. A greedy verification or drafting step reads these from the logits
+// the forward just wrote, instead of several PyTorch ops on cold caches (~60 us each). None
+// where the logits are not a contiguous float32 CPU matrix with a column: PyTorch picks then
+// (the checks are here because reading a tensor's dtype and device from Python cost ~40 us).
 py::object row_picks(const torch::Tensor& logits, c10::optional<int64_t> limit_or_all, bool confidence) {
   if (!(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == torch::kFloat &&
         logits.device().is_cpu() && logits.size(1) > 0))
@@ -852,6 +848,12 @@ py::tuple chain_steps(const LayerStack& stack, std::vector<int64_t> tokens, cons
   TORCH_CHECK(steps >= 1 && !tokens.empty() && (!hidden.has_value() || tokens.size() == 1) && limit >= 1 &&
                   limit <= head_rows && (vocab.empty() || static_cast<int64_t>(vocab.size()) >= limit),
               "chain_steps: steps >= 1, tokens (one with hidden), a limit within the head's rows and the vocabulary");
+  // what the last step reaches, checked before the first writes its keys and values
+  const int64_t end = position + static_cast<int64_t>(tokens.size()) + steps - 1;
+  TORCH_CHECK(!keys.empty() && keys[0].dim() == 4 && end <= keys[0].size(2) && end <= cos.size(0),
+              "chain_steps: the steps pass the cache's end or the RoPE tables");
+  for (int64_t i = 0; i < limit && !vocab.empty(); ++i)
+    TORCH_CHECK(vocab[i] >= 0 && vocab[i] < embedding.size(0), "chain_steps: a vocabulary id is outside the embedding");
   std::vector<int64_t> drafted;
   std::vector<double> confs;
   c10::optional<torch::Tensor> h = hidden;

@@ -807,7 +807,7 @@ class Transformer(nn.Module):
         greedy pick step by step. None where `_whole_forward` would not serve or the steps would
         pass the cache's end."""
         n = len(tokens)
-        if cache.length + n + steps - 1 > cache.capacity or n > MAX_ROWS or self._kernel_layers(n, cache) is None or (
+        if cache.length + n + steps - 1 > cache.capacity or self._kernel_layers(n, cache) is None or (
                 parts := self._whole_parts()) is None:
             return None
         stack, embedding, norm_weight, eps, default_head = parts
