@@ -41,21 +41,17 @@ class ARDrafter(ChainDrafter, ModelDrafter):
                             head_weight=self.head_weight)
         return self._advance(logits[0, -1])
 
-    def draft(self, count: int) -> tuple[list[int], list[float]]:
-        """`count` steps: greedy ones in one kernel call where it serves
-        (`Transformer.greedy_chain`: the tokens of the steps one by one, without the Python
-        between them), else step by step."""
-        if count > 1 and self.plain_greedy and (
-                chain := self.model.greedy_chain(self._pending, count, self.cache, self.head_weight, self.vocab_limit,
-                                                 self.vocab_list)) is not None:
-            tokens, confs = chain
-            fed = self._pending + tokens[:-1]
-            self.cache_ids.extend(fed)
-            self.cache.length += len(fed)
-            self._pending = tokens[-1:]
-            self.forwards += count
-            return tokens, confs
-        return super().draft(count)
+    def _greedy_chain(self, count: int) -> tuple[list[int], list[float]] | None:
+        if (chain := self.model.greedy_chain(self._pending, count, self.cache, self.head_weight, self.vocab_limit,
+                                             self.vocab_list)) is None:
+            return None
+        tokens, confs = chain
+        fed = self._pending + tokens[:-1]  # the steps' inputs, now cached
+        self.cache_ids.extend(fed)
+        self.cache.length += len(fed)
+        self._pending = tokens[-1:]
+        self.forwards += count
+        return tokens, confs
 
     @staticmethod
     def draft_rows(drafters: list["ARDrafter"], wants: dict[int, int],

@@ -135,13 +135,24 @@ class ModelDrafter:
 
 class ChainDrafter:
     """Drafters that propose one token per forward (AR, EAGLE-3): `draft` is `count` steps of
-    `_next`, and a batch's shared cache needs a row's positions plus the step being drafted."""
+    `_next`, greedy ones in one kernel call where `_greedy_chain` serves (docs/design.md,
+    "Greedy chains in one call"), and a batch's shared cache needs a row's positions plus the
+    step being drafted."""
+
+    plain_greedy: bool  # ModelDrafter's
 
     def _next(self) -> tuple[int, float]:
         """Run one forward; the next draft token and its confidence."""
         raise NotImplementedError
 
+    def _greedy_chain(self, count: int) -> tuple[list[int], list[float]] | None:
+        """`count` plain greedy steps in one kernel call, the drafter's state advanced as the
+        steps one by one would leave it; None where that call does not serve."""
+        return None
+
     def draft(self, count: int) -> tuple[list[int], list[float]]:
+        if count > 1 and self.plain_greedy and (chained := self._greedy_chain(count)) is not None:
+            return chained
         tokens: list[int] = []
         confs: list[float] = []
         for _ in range(count):

@@ -86,20 +86,16 @@ class Eagle3Drafter(ChainDrafter, TargetFeatureDrafter):
         self.cache.length += 1
         return self._take(out, logits)
 
-    def draft(self, count: int) -> tuple[list[int], list[float]]:
-        """`count` chain steps: greedy ones in one kernel call where it serves
-        (`Eagle3Model.greedy_chain`: the tokens of the steps one by one, without the Python
-        between them), else step by step."""
-        if count > 1 and self.plain_greedy and (
-                chain := self.model.greedy_chain(self.next_token, self.hidden, count, self.cache, self.head_weight,
-                                                 self.vocab_limit, self.vocab_list)) is not None:
-            tokens, confs, self.hidden = chain
-            self.cache.length += count
-            self.next_token = tokens[-1]
-            self.next_position += count
-            self.forwards += count
-            return tokens, confs
-        return super().draft(count)
+    def _greedy_chain(self, count: int) -> tuple[list[int], list[float]] | None:
+        if (chain := self.model.greedy_chain(self.next_token, self.hidden, count, self.cache, self.head_weight,
+                                             self.vocab_limit, self.vocab_list)) is None:
+            return None
+        tokens, confs, self.hidden = chain
+        self.cache.length += count
+        self.next_token = tokens[-1]
+        self.next_position += count
+        self.forwards += count
+        return tokens, confs
 
     @staticmethod
     def draft_rows(drafters: list["Eagle3Drafter"], wants: dict[int, int],

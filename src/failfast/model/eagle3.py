@@ -175,12 +175,21 @@ class Eagle3Model(BorrowsTargetParts):
         h = self.logits_input(out)[:, -1]
         return out, self.lm_head(h) if head_weight is None else linear(h, head_weight)
 
-    def _whole_step(self, tokens: Tensor, hidden: Tensor, rows: list[int], starts: list[int], cache: KVCache,
-                    head_weight: TiledWeight | Tensor | None) -> tuple[Tensor, Tensor] | None:
+    def _whole_call_inputs(self, hidden: Tensor, cache: KVCache, rows: int,
+                           head_weight: TiledWeight | Tensor | None) -> tuple[tuple, LayerKernelWeights] | None:
+        """(`whole_call_parts`, the kept layer weights) for steps of `rows` rows in one kernel
+        call, or None where that call does not serve (gradients, not float32, no kernels)."""
         if (torch.is_grad_enabled() and hidden.requires_grad) or hidden.dtype != torch.float32 or (
                 parts := self.whole_call_parts(head_weight)) is None or (
-                w := self._kernel_weights(cache, len(rows))) is None:
+                w := self._kernel_weights(cache, rows)) is None:
             return None
+        return parts, w
+
+    def _whole_step(self, tokens: Tensor, hidden: Tensor, rows: list[int], starts: list[int], cache: KVCache,
+                    head_weight: TiledWeight | Tensor | None) -> tuple[Tensor, Tensor] | None:
+        if (found := self._whole_call_inputs(hidden, cache, len(rows), head_weight)) is None:
+            return None
+        parts, w = found
         b = len(rows)
         logits, out = self.whole_call(parts, tokens.reshape(-1).tolist(),
                                       packed_places(rows, starts, [1] * b, hidden.device), max(starts) + 1, cache,
@@ -198,11 +207,10 @@ class Eagle3Model(BorrowsTargetParts):
         time, with the same bits. The tokens, their probabilities and the last output; the
         caller advances the cache. None where `_whole_step` would not serve, or the steps would
         pass the cache's end."""
-        if (torch.is_grad_enabled() and hidden.requires_grad) or hidden.dtype != torch.float32 or (
-                cache.length + steps > cache.capacity) or (parts := self.whole_call_parts(head_weight)) is None or (
-                w := self._kernel_weights(cache, 1)) is None:
+        if cache.length + steps > cache.capacity or (
+                found := self._whole_call_inputs(hidden, cache, 1, head_weight)) is None:
             return None
-        embedding, head = parts
+        (embedding, head), w = found
         tokens, confs, out = greedy_chain_call(kept_layer_stack(self), [token], hidden.reshape(1, -1).contiguous(),
                                                steps, cache, embedding, self.rotary, self.norm.weight, self.norm.eps,
                                                head, w.embedded_norm, vocab_limit, vocab)
