@@ -146,6 +146,25 @@ def test_block_diffusion_rows_denoise_together(random_models, monkeypatch, denoi
     assert max(rows_per_pass) == len(LENGTHS) - 1  # every row but the one-token one (it never drafts)
 
 
+def test_causal_window_rows_draft_together(random_models, monkeypatch):
+    """Rows drafting causal windows run them in one packed forward and draft what each drafts
+    alone (the round records of `_check_batches`), with every policy."""
+    from failfast.drafters.causal_window import CausalWindowDrafter
+
+    target = load_model(random_models["target"], dtype=torch.float64)
+    drafter = load_model(random_models["random-dllm"], dtype=torch.float64)
+    rows_per_pass = []
+    real = CausalWindowDrafter.draft_rows
+
+    def recording(drafters, wants, shared):
+        rows_per_pass.append(len(wants))
+        return real(drafters, wants, shared)
+    monkeypatch.setattr(CausalWindowDrafter, "draft_rows", staticmethod(recording))
+    for policy in POLICIES:
+        _check_batches(SpeculativeEngine(target, make_drafter(target, drafter, denoise="causal"), policy), _requests())
+    assert max(rows_per_pass) == len(LENGTHS) - 1  # every row but the one-token one (it never drafts)
+
+
 def test_dflash_rows_run_their_passes_together(random_models, monkeypatch):
     """DFlash rows at different context lengths run their first and extension passes in one
     forward and draft what each drafts alone (`_check_batches`)."""

@@ -32,10 +32,10 @@ def hf_greedy(folder: Path, prompt: list[int], max_new: int, eos: int | None = N
     return out[0, len(prompt):].tolist()
 
 
-# Block-diffusion drafting options: sliding windows (default), aligned prefix passes, Fast-dLLM
-# v2's sub-block passes and exact full-block passes, at one pass per window (threshold 0,
-# default) and at the paper's.
-DLLM_OPTIONS = {"random-dllm": {}, "random-dllm-prefix": dict(denoise="prefix"),
+# Mask-token drafting options: sliding windows (the default of a checkpoint that names none),
+# aligned prefix passes, Fast-dLLM v2's sub-block passes and exact full-block passes, at one
+# pass per window (threshold 0, default) and at the paper's; causal windows.
+DLLM_OPTIONS = {"random-dllm": {}, "random-dllm-causal": dict(denoise="causal"), "random-dllm-prefix": dict(denoise="prefix"),
                 "random-dllm-sub-block": dict(denoise="sub-block"),
                 "random-dllm-full-block": dict(denoise="full-block", unmask_threshold=0.05)}
 
@@ -71,7 +71,7 @@ def test_trained_block_diffusion_drafter_is_lossless_with_long_drafts(trained_pa
     target = load_model(target_dir, dtype=torch.float64)
     drafter = load_model(drafter_dir, dtype=torch.float64)
     expected = hf_greedy(target_dir, prompt, 90)
-    for options in ({}, dict(denoise="prefix"), dict(denoise="sub-block"), dict(denoise="full-block"),
+    for options in ({}, dict(denoise="causal"), dict(denoise="prefix"), dict(denoise="sub-block"), dict(denoise="full-block"),
                     dict(unmask_threshold=0.05), dict(sub_block_size=8), dict(denoise="prefix", sub_block_size=8)):
         for policy in (FailFast(tau=0.45, chunk=10, max_draft=40), Fixed(20), Fixed(3), CostAware(CPU_COSTS)):
             result = SpeculativeEngine(target, make_drafter(target, drafter, **options), policy).generate(prompt, 90)

@@ -16,7 +16,7 @@ from failfast.train.corpus import CorpusError, split_corpus
 from failfast.train.data import PreparedData, prepare_data, windows
 from failfast.train.loop import TrainSettings, export_resume_point, lr_at, train
 from failfast.train.objectives import ar_loss, block_diffusion_loss, block_masks, masked_rank_in_block, teacher_probs
-from failfast.train.recipe import convert_to_diffusion, new_model, train_ar
+from failfast.train.recipe import convert_to_diffusion, new_model, train_ar, train_causal_windows
 from failfast.train.selfdistill import SelfDistillSettings, generate_self_distillation, load_rows
 
 SOURCE = textwrap.dedent('''
@@ -102,6 +102,23 @@ def test_ar_and_diffusion_stages_learn_and_reload(data_dir, tmp_path):
     prompt = target.tokenizer.encode("def add3(a, b):")
     plain = SpeculativeEngine(target).generate(prompt, 20).token_ids
     assert SpeculativeEngine(target, make_drafter(target, drafter), Fixed(6)).generate(prompt, 20).token_ids == plain
+
+
+def test_causal_window_stage_learns_and_names_its_mode(data_dir, tmp_path):
+    from failfast.drafters.causal_window import CausalWindowDrafter
+
+    train_ar(data_dir, tmp_path / "ar", "tiny", _settings(10))
+    report = train_causal_windows(tmp_path / "ar", data_dir, tmp_path / "cw", _settings(20), masks=2, anchor_share=3)
+    losses = [h["loss"] for h in report["history"]]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5
+    assert report["objective"] == {"window_masks": 2, "anchor_share": 3}
+    target, drafter = load_model(tmp_path / "ar"), load_model(tmp_path / "cw")
+    assert drafter.config.failfast_denoise == "causal" and drafter.config.mask_token_id is not None
+    prompt = target.tokenizer.encode("def add3(a, b):")
+    plain = SpeculativeEngine(target).generate(prompt, 20).token_ids
+    made = make_drafter(target, drafter)
+    assert isinstance(made, CausalWindowDrafter)
+    assert SpeculativeEngine(target, made, Fixed(3)).generate(prompt, 20).token_ids == plain
 
 
 def _killed_at_call(n: int):
@@ -263,6 +280,10 @@ def test_train_cli_runs_every_stage(data_dir, tmp_path, capsys):
     assert load_model(tmp_path / "dllm").config.sub_block_size == 4
     report = json.loads((tmp_path / "dllm" / "training.json").read_text())
     assert report["objective"] == {"suffix_mask_share": 0.5}
+    assert main(["train", "causal-windows", "--init", str(tmp_path / "dllm"), "--out", str(tmp_path / "cw"),
+                 "--window-masks", "2", *common]) == 0
+    assert json.loads((tmp_path / "cw" / "config.json").read_text())["failfast_denoise"] == "causal"
+    assert main(["train", "causal-windows", "--out", str(tmp_path / "cw2"), *common]) == 2  # no --init
     assert main(["train", "diffusion", "--init", str(tmp_path / "ar"), "--out", str(tmp_path / "bad"),
                  "--block-size", "8", "--sub-block-size", "3", *common]) == 2
 

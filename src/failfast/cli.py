@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from failfast.drafters.block_diffusion import DEFAULT_DENOISE, DEFAULT_UNMASK_THRESHOLD, DENOISE_MODES
+from failfast.drafters.block_diffusion import DEFAULT_UNMASK_THRESHOLD
+from failfast.drafters.factory import DENOISE_CHOICES
 from failfast.drafters.lookup import LookupSettings
 from failfast.embedded import DEFAULT_DRAFTER, DEFAULT_TARGET, EMBEDDED
 from failfast.errors import FailfastError, GenerationInputError
@@ -209,7 +210,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from failfast.train.data import prepare_data
     from failfast.train.loop import TrainSettings
-    from failfast.train.recipe import convert_to_diffusion, train_ar
+    from failfast.train.recipe import convert_to_diffusion, train_ar, train_causal_windows
 
     torch.set_num_threads(args.threads) if getattr(args, "threads", None) else None
     if args.stage == "data":
@@ -236,6 +237,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         report = train_ar(Path(args.data), Path(args.out), args.size, settings, teacher=teacher,
                           init=Path(args.init) if args.init else None, resume=args.resume or resume_from is not None,
                           resume_from=resume_from, rows=rows)
+    elif args.stage == "causal-windows":
+        if not args.init:
+            raise GenerationInputError("train causal-windows needs --init (a block-diffusion drafter or an AR model)")
+        report = train_causal_windows(Path(args.init), Path(args.data), Path(args.out), settings, masks=args.window_masks,
+                                      anchor_share=args.anchor_share, resume=args.resume or resume_from is not None,
+                                      resume_from=resume_from, rows=rows)
     else:
         report = convert_to_diffusion(Path(args.init), Path(args.data), Path(args.out), settings,
                                       block_size=args.block_size or 32, sub_block_size=args.sub_block_size,
@@ -330,11 +337,12 @@ def _add_model_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--unmask-threshold", type=float, default=DEFAULT_UNMASK_THRESHOLD,
                    help="block-diffusion: unmask every position above this confidence per pass (0: one pass "
                         "per window; the paper uses 0.05)")
-    g.add_argument("--denoise", choices=list(DENOISE_MODES), default=DEFAULT_DENOISE,
-                   help="block-diffusion pass: sliding (a window of as many masks as the policy asks for at once, "
-                        "from the first undecoded token, against cached K/V of what precedes it; default), prefix "
-                        "(the same over aligned sub-blocks), sub-block (Fast-dLLM v2's block cache) or full-block "
-                        "(exact)")
+    g.add_argument("--denoise", choices=list(DENOISE_CHOICES),
+                   help="mask-token drafter's pass (default: the one its config.json names, else sliding): causal "
+                        "(causal windows: known tokens attend causally, a window of masks behind them), sliding (a "
+                        "window of as many masks as the policy asks for at once, from the first undecoded token, "
+                        "against cached K/V of what precedes it in its block), prefix (the same over aligned "
+                        "sub-blocks), sub-block (Fast-dLLM v2's block cache) or full-block (exact)")
     g.add_argument("--sub-block", type=int,
                    help="block-diffusion: a fixed sliding window of S tokens, or with another --denoise the "
                         "sub-block size (default: the policy's request; the drafter's config)")
@@ -432,8 +440,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0, help="sampling seed with --temperature")
     b.set_defaults(func=cmd_bench)
 
-    t = sub.add_parser("train", help="train the embedded models (data, ar, diffusion, dflash, eagle3 stages)")
-    t.add_argument("stage", choices=["data", "ar", "diffusion", "dflash", "eagle3", "selfdistill", "draft-vocab"])
+    t = sub.add_parser("train", help="train the embedded models (data, ar, diffusion, causal-windows, dflash, eagle3 "
+                                     "stages)")
+    t.add_argument("stage", choices=["data", "ar", "diffusion", "causal-windows", "dflash", "eagle3", "selfdistill",
+                                     "draft-vocab"])
     t.add_argument("--out", required=True, help="output folder")
     t.add_argument("--corpus", help="[data] folder of .py files (default: this Python's stdlib)")
     t.add_argument("--vocab-size", type=int, default=8192, help="[data] BPE vocabulary size")
@@ -445,13 +455,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--draft-vocab-size", type=int, default=2048,
                    help="[draft-vocab] tokens to keep (the target's most frequent) for the drafter folder --out; "
                    "[dflash, eagle3] the draft vocabulary it trains its head on and drafts from (0: every token)")
-    t.add_argument("--data", help="[ar, diffusion, dflash, eagle3] folder written by the data stage")
+    t.add_argument("--data", help="[ar, diffusion, causal-windows, dflash, eagle3] folder written by the data stage")
     t.add_argument("--size", default="target", help="[ar] target, drafter or tiny")
-    t.add_argument("--init", help="[diffusion] AR model folder to convert; [ar] checkpoint to continue "
+    t.add_argument("--init", help="[diffusion] AR model folder to convert; [causal-windows] a block-diffusion drafter "
+                                   "or AR model to continue; [ar] checkpoint to continue "
                                    "from instead of a fresh --size model (e.g. to distil a pretrained drafter); [dflash, eagle3] a "
                                    "drafter of that kind to continue (its layers, target layers and block size)")
     t.add_argument("--teacher", help="[ar, diffusion] model folder to distil from (e.g. the trained target)")
-    t.add_argument("--rows", help="[ar, diffusion, dflash, eagle3] train on the target's self-distillation rows in this folder "
+    t.add_argument("--rows", help="[ar, diffusion, causal-windows, dflash, eagle3] train on the target's self-distillation rows in this folder "
                    "(written by the selfdistill stage) instead of the corpus")
     t.add_argument("--target", help="[selfdistill] the target model whose continuations become training data; "
                                     "[dflash, eagle3] the target whose features the drafter reads")
@@ -475,6 +486,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--suffix-mask-share", type=float, default=0.0,
                    help="[diffusion] share of blocks masked from a random cut to the block's end (the "
                         "drafting pattern) instead of uniformly")
+    t.add_argument("--window-masks", type=int, default=3,
+                   help="[causal-windows] masks in each training window (a window drafts one token more)")
+    t.add_argument("--anchor-share", type=int, default=4,
+                   help="[causal-windows] a window behind every N-th position of a training row, on average")
     t.add_argument("--steps", type=int, default=1000)
     t.add_argument("--batch-size", type=int, default=16)
     t.add_argument("--seq-len", type=int, default=256)

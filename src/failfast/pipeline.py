@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from failfast.drafters.block_diffusion import DEFAULT_DENOISE, DEFAULT_UNMASK_THRESHOLD
+from failfast.drafters.block_diffusion import DEFAULT_UNMASK_THRESHOLD
 from failfast.drafters.factory import make_drafter
 from failfast.drafters.lookup import LookupDrafter, LookupSettings
 from failfast.embedded import resolve_model
@@ -35,7 +35,7 @@ class Pipeline:
 
     @classmethod
     def load(cls, target: str | Path, drafter: str | Path | None = None, policy: Policy | PolicyFactory | None = None, *,
-             unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD, denoise: str = DEFAULT_DENOISE, sub_block_size: int | None = None,
+             unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD, denoise: str | None = None, sub_block_size: int | None = None,
              dtype: torch.dtype | None = None, drafter_dtype: torch.dtype | None = None,
              device: str = "cpu", full_vocab: bool = False, gate: SpeculationGate | None = None,
              lookup: LookupSettings | None = None, drafter_int8: bool | None = None) -> "Pipeline":

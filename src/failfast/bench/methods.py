@@ -15,7 +15,7 @@ import torch
 from failfast.drafters import Drafter, make_drafter
 from failfast.drafters.lookup import LookupDrafter, LookupSettings
 from failfast.embedded import resolve_model
-from failfast.drafters.block_diffusion import DEFAULT_DENOISE, DEFAULT_UNMASK_THRESHOLD
+from failfast.drafters.block_diffusion import DEFAULT_UNMASK_THRESHOLD
 from failfast.bench.oracle import OracleDrafter
 from failfast.decode.engine import SpeculativeEngine
 from failfast.model import LoadedModel, load_model
@@ -43,7 +43,7 @@ class MethodSpec:
     kind: str                      # ar | hf | hf-assisted | vllm | <drafter>-drafter | lookup | oracle
     policy: Policy | PolicyFactory | None = None
     unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD
-    denoise: str = DEFAULT_DENOISE  # block-diffusion pass: sliding, prefix, sub-block (block cache) or full-block
+    denoise: str | None = None  # a mask-token drafter's pass (None: its own): causal, sliding, prefix, sub-block or full-block
     sub_block_size: int | None = None  # None: the drafter's config (sliding: each request's size)
     schedule: str | None = None    # transformers assisted generation schedule
     drafter_dtype: torch.dtype | None = None  # None: the target's dtype
@@ -87,16 +87,19 @@ def default_methods() -> list[MethodSpec]:
         *(MethodSpec(f"failfast-N{n}", "dllm-drafter", FailFast(tau=0.6, chunk=n)) for n in (2, 8, 10, 20)),
         MethodSpec("failfast-paper", "dllm-drafter", FailFast(tau=0.45, chunk=10)),  # tau and N of the paper
         MethodSpec("failfast-Nmax30", "dllm-drafter", FailFast(tau=0.6, chunk=4, max_draft=30)),
-        MethodSpec("failfast-u0.3", "dllm-drafter", ff, unmask_threshold=0.3),
-        MethodSpec("failfast-u0.05", "dllm-drafter", ff, unmask_threshold=0.05),  # the paper's threshold
-        MethodSpec("failfast-u0.9", "dllm-drafter", ff, unmask_threshold=0.9),  # several passes per sub-block
+        MethodSpec("failfast-u0.3", "dllm-drafter", ff, unmask_threshold=0.3, denoise="sliding"),
+        MethodSpec("failfast-u0.05", "dllm-drafter", ff, unmask_threshold=0.05, denoise="sliding"),  # the paper's threshold
+        MethodSpec("failfast-u0.9", "dllm-drafter", ff, unmask_threshold=0.9, denoise="sliding"),  # several passes per sub-block
+        # the block-diffusion drafter's passes named (the methods above use its config's mode)
+        *(MethodSpec(f"failfast-{mode}", "dllm-drafter", drafter_failfast(), denoise=mode) for mode in ("sliding", "causal")),
+        *(MethodSpec(f"dllm-fixed-4-{mode}", "dllm-drafter", Fixed(4), denoise=mode) for mode in ("sliding", "causal")),
         MethodSpec("failfast-prefix", "dllm-drafter", ff, denoise="prefix"),  # windows aligned to sub-blocks
         MethodSpec("dllm-fixed-4-prefix", "dllm-drafter", Fixed(4), denoise="prefix"),
         MethodSpec("failfast-full-block", "dllm-drafter", ff, denoise="full-block"),
         MethodSpec("failfast-sub-block", "dllm-drafter", ff, denoise="sub-block"),  # Fast-dLLM v2's block cache
         MethodSpec("failfast-s4", "dllm-drafter", ff, sub_block_size=4, denoise="prefix"),  # aligned sub-blocks of 4
         MethodSpec("failfast-s16", "dllm-drafter", ff, sub_block_size=16, denoise="prefix"),
-        MethodSpec("failfast-window8", "dllm-drafter", ff, sub_block_size=8),  # sliding windows fixed at 8
+        MethodSpec("failfast-window8", "dllm-drafter", ff, sub_block_size=8, denoise="sliding"),  # sliding windows fixed at 8
         MethodSpec("failfast-drafter-fp32", "dllm-drafter", ff, drafter_dtype=torch.float32),
         # int8 drafter weights (model/int8.py): on by default where they pay, so the A/B of each
         # kind is the method against its -no-int8 or -int8 twin

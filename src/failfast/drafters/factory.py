@@ -8,14 +8,16 @@ from pathlib import Path
 
 from failfast.drafters.autoregressive import ARDrafter
 from failfast.drafters.base import Drafter
-from failfast.drafters.block_diffusion import DEFAULT_DENOISE, DEFAULT_UNMASK_THRESHOLD, BlockDiffusionDrafter
+from failfast.drafters.block_diffusion import DEFAULT_DENOISE, DEFAULT_UNMASK_THRESHOLD, DENOISE_MODES, BlockDiffusionDrafter
+from failfast.drafters.causal_window import CAUSAL_WINDOWS, CausalWindowDrafter
 from failfast.drafters.dflash import DFlashDrafter
 from failfast.drafters.eagle3 import Eagle3Drafter
-from failfast.errors import CheckpointError, IncompatibleModelsError
+from failfast.errors import CheckpointError, IncompatibleModelsError, PolicyError
 from failfast.model import LoadedModel, ModelDescription
 from failfast.model.transformer import fast_drafting_attention
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
+DENOISE_CHOICES = (*DENOISE_MODES, CAUSAL_WINDOWS)  # a mask-token drafter's modes: the block modes, causal windows
 
 
 def check_vocabularies(target: LoadedModel | ModelDescription, drafter: LoadedModel) -> None:
@@ -54,12 +56,14 @@ def load_draft_vocab(folder: Path) -> list[int] | None:
 
 
 def make_drafter(target: LoadedModel | ModelDescription, drafter: LoadedModel,
-                 unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD, denoise: str = DEFAULT_DENOISE,
+                 unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD, denoise: str | None = None,
                  sub_block_size: int | None = None, full_vocab: bool = False) -> Drafter:
-    """The drafter a checkpoint is: DFlash or EAGLE-3 (both read the target's features), block
-    diffusion, or else autoregressive (`unmask_threshold`, `denoise` and `sub_block_size` only apply to
-    block diffusion). A checkpoint's draft vocabulary is used unless `full_vocab`. Drafters that
-    read only token ids accept a target's description (its weights run in another engine)."""
+    """The drafter a checkpoint is: DFlash or EAGLE-3 (both read the target's features), a
+    mask-token drafter, or else autoregressive. A mask-token drafter drafts in the mode
+    `denoise` (None: the one its config.json names, else Fast-dLLM v2's sliding windows):
+    causal windows, or a block mode, which alone takes `unmask_threshold` and `sub_block_size`.
+    A checkpoint's draft vocabulary is used unless `full_vocab`. Drafters that read only token
+    ids accept a target's description (its weights run in another engine)."""
     check_vocabularies(target, drafter)
     limit = min(target.config.vocab_size, drafter.config.vocab_size)
     vocab = None if full_vocab else load_draft_vocab(drafter.path)
@@ -74,5 +78,11 @@ def make_drafter(target: LoadedModel | ModelDescription, drafter: LoadedModel,
     if drafter.config.is_eagle3:
         return Eagle3Drafter(drafter, target, limit, vocab)
     if drafter.config.is_block_diffusion or drafter.config.mask_token_id is not None:
-        return BlockDiffusionDrafter(drafter, limit, unmask_threshold, denoise, sub_block_size, vocab)
+        mode = denoise or drafter.config.failfast_denoise or DEFAULT_DENOISE
+        if mode != CAUSAL_WINDOWS:
+            return BlockDiffusionDrafter(drafter, limit, unmask_threshold, mode, sub_block_size, vocab)
+        if sub_block_size is not None or unmask_threshold != DEFAULT_UNMASK_THRESHOLD:
+            raise PolicyError("causal windows draft one window per pass: a sub-block size and an unmask threshold "
+                              "apply to the block modes (--denoise sliding, prefix, sub-block, full-block)")
+        return CausalWindowDrafter(drafter, limit, vocab)
     return ARDrafter(drafter, limit, draft_vocab=vocab)

@@ -37,7 +37,7 @@ from failfast.decode.drafting import draft_alone, draft_together
 from failfast.decode.gate import SpeculationGate
 from failfast.decode.policies import failfast_for
 from failfast.drafters import Drafter, make_drafter
-from failfast.drafters.block_diffusion import DEFAULT_DENOISE, DEFAULT_UNMASK_THRESHOLD
+from failfast.drafters.block_diffusion import DEFAULT_UNMASK_THRESHOLD
 from failfast.drafters.lookup import LookupDrafter, LookupSettings
 from failfast.embedded import DEFAULT_DRAFTER, resolve_model
 from failfast.errors import GenerationInputError
@@ -68,7 +68,7 @@ class ProposerConfig:
     chunk: int | None = None
     dtype: str = "auto"
     unmask_threshold: float = DEFAULT_UNMASK_THRESHOLD
-    denoise: str = DEFAULT_DENOISE
+    denoise: str | None = None  # None: the drafter's own mode (drafters/factory.py)
     batched: bool = True
     gate: bool = True
     lookup_tokens: int | None = None

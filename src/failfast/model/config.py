@@ -42,6 +42,9 @@ class ModelConfig:
     # does an EAGLE-3 drafter (`eagle3`).
     target_layer_ids: tuple[int, ...] | None = None
     eagle3: bool = False
+    # The drafting mode a mask-token drafter was trained for ("causal": causal windows,
+    # drafters/causal_window.py); None: Fast-dLLM v2's block modes.
+    failfast_denoise: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -128,6 +131,7 @@ class ModelConfig:
             qk_norm=model_type == "qwen3",
             target_layer_ids=layer_ids,
             eagle3=eagle3,
+            failfast_denoise=raw.get("failfast_denoise"),
             extra={k: v for k, v in raw.items() if k not in known},
         )
 
@@ -154,6 +158,8 @@ class ModelConfig:
             out["small_block_size"] = self.sub_block_size
         if self.mask_token_id is None:
             out.pop("mask_token_id")
+        if self.failfast_denoise is None:
+            out.pop("failfast_denoise")
         out.setdefault("architectures", ["Qwen3ForCausalLM" if self.model_type == "qwen3" else "Qwen2ForCausalLM"])
         out.setdefault("hidden_act", "silu")
         return out

@@ -117,3 +117,48 @@ def block_diffusion_loss(model: Transformer, tokens: Tensor, block_size: int, ma
     weights = torch.exp(-(rank - 1).float() / decay_gamma)
     losses = F.cross_entropy(logits.float(), labels[selected], reduction="none")
     return (weights * losses).sum() / weights.sum()
+
+
+def causal_window_layout(length: int, anchors: Tensor, masks: int) -> tuple[Tensor, Tensor]:
+    """Positions [T] and the [T, T] attention mask of [a sequence | `masks` windows of masks].
+
+    The sequence's tokens attend causally. Each anchor a (a position of the sequence) gets a
+    window of masks at positions a+1 .. a+masks, laid out depth by depth after the sequence;
+    the window's d-th mask sees the sequence up to a and its window's masks 1..d: what a
+    causal-window pass over [known tokens up to a, masks] computes at inference
+    (drafters/causal_window.py), for every anchor in one forward.
+    """
+    count = anchors.numel()
+    positions = torch.cat([torch.arange(length)] + [anchors + d for d in range(1, masks + 1)])
+    total = length + masks * count
+    allowed = torch.zeros(total, total, dtype=torch.bool)
+    allowed[:length, :length] = torch.ones(length, length, dtype=torch.bool).tril()
+    known = torch.arange(length)[None, :] <= anchors[:, None]  # [anchors, length]
+    window = torch.arange(count)
+    for d in range(1, masks + 1):
+        rows = length + (d - 1) * count + window
+        allowed[rows, :length] = known
+        for e in range(1, d + 1):
+            allowed[rows, length + (e - 1) * count + window] = True
+    return positions, allowed
+
+
+def causal_window_loss(model: Transformer, tokens: Tensor, mask_token_id: int, generator: torch.Generator | None = None,
+                       masks: int = 3, anchor_share: int = 4) -> Tensor:
+    """Cross-entropy of causal-window drafting (docs/design.md, "Causal windows"): every
+    position's next token from the causal sequence (a window's first draft token, read at its
+    last known token, is an AR prediction), and, behind `length // anchor_share` random
+    anchors, the tokens after the next from a window of `masks` masks (the d-th mask predicts
+    the token at anchor + d + 1). Every prediction weighs the same."""
+    b, length = tokens.shape
+    anchors = torch.randperm(length - 1 - masks, generator=generator)[:length // anchor_share].sort().values
+    positions, allowed = causal_window_layout(length, anchors, masks)
+    filled = torch.full((b, masks * anchors.numel()), mask_token_id, dtype=tokens.dtype, device=tokens.device)
+    hidden = model.hidden_masked(torch.cat([tokens, filled], dim=1), positions.to(tokens.device),
+                                 allowed.to(tokens.device))
+    next_logits = model.lm_head(hidden[:, :length - 1])
+    next_loss = F.cross_entropy(next_logits.float().flatten(0, 1), tokens[:, 1:].flatten(), reduction="sum")
+    labels = torch.cat([tokens[:, anchors + d + 1] for d in range(1, masks + 1)], dim=1)  # depth by depth, as laid out
+    window_logits = model.lm_head(hidden[:, length:])
+    window_loss = F.cross_entropy(window_logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+    return (next_loss + window_loss) / (b * (length - 1) + labels.numel())

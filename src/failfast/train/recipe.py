@@ -12,7 +12,7 @@ from failfast.errors import FailfastError
 from failfast.model import ModelConfig, Transformer, load_model
 from failfast.train.data import PreparedData
 from failfast.train.loop import TrainSettings, train
-from failfast.train.objectives import ar_loss, block_diffusion_loss
+from failfast.train.objectives import ar_loss, block_diffusion_loss, causal_window_loss
 from failfast.train.selfdistill import load_rows
 from failfast.train.tokenizer import special_ids
 
@@ -118,3 +118,26 @@ def convert_to_diffusion(init_dir: Path, data_dir: Path, out: Path, settings: Tr
                  **({"rows": str(rows)} if rows else {})}
     return train(model, loss, _train_stream(data, rows), data.held_out, settings, out, data.tokenizer,
                  resume=resume, resume_from=resume_from, label="AR -> block diffusion", objective=objective)
+
+
+def train_causal_windows(init_dir: Path, data_dir: Path, out: Path, settings: TrainSettings, *, masks: int = 3,
+                         anchor_share: int = 4, resume: bool = False, resume_from: Path | None = None,
+                         rows: Path | None = None) -> dict:
+    """Causal-window drafting (docs/design.md, "Causal windows"): continue a checkpoint (a
+    block-diffusion drafter, or an AR model, which gets the corpus's mask token) on
+    `causal_window_loss` with windows of `masks` masks behind `anchor_share`-th of the
+    positions. Its config.json names causal windows as its drafting mode."""
+    from failfast.drafters.causal_window import CAUSAL_WINDOWS
+
+    if masks < 1 or anchor_share < 1:
+        raise FailfastError(f"window masks and anchor share must be >= 1, got {masks} and {anchor_share}")
+    data = PreparedData.load(data_dir)
+    _, mask_id = special_ids(data.tokenizer)
+    base = _trainable(init_dir, data.tokenizer.vocab_size)
+    model = Transformer(replace(base.config, mask_token_id=mask_id, failfast_denoise=CAUSAL_WINDOWS))
+    model.load_state_dict(base.state_dict())
+    model.requires_grad_(True)
+    loss = lambda m, batch, gen: causal_window_loss(m, batch, mask_id, gen, masks, anchor_share)  # noqa: E731
+    objective = {"window_masks": masks, "anchor_share": anchor_share, **({"rows": str(rows)} if rows else {})}
+    return train(model, loss, _train_stream(data, rows), data.held_out, settings, out, data.tokenizer,
+                 resume=resume, resume_from=resume_from, label="causal windows", objective=objective)
