@@ -21,10 +21,18 @@ def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
     return SamplingParams(params.temperature, params.top_k, params.top_p, seed)
 
 
-@pytest.mark.parametrize("drafter_name", ["self", "random-ar", "random-dllm", "random-dflash", "random-eagle3"])
+def _drafter_options(drafter_name: str) -> tuple[str, dict]:
+    """The checkpoint behind a drafter name, and its make_drafter options ("-causal": causal windows)."""
+    return (drafter_name.removesuffix("-causal"), dict(denoise="causal")) if drafter_name.endswith("-causal") else (
+        drafter_name, {})
+
+
+@pytest.mark.parametrize("drafter_name", ["self", "random-ar", "random-dllm", "random-dllm-causal", "random-dflash",
+                                          "random-eagle3"])
 def test_random_drafters_reproduce_plain_sampling(random_models, drafter_name):
     target = load_model(random_models["target"], dtype=torch.float64)
-    drafter = load_model(random_models[drafter_name], dtype=torch.float64)
+    name, options = _drafter_options(drafter_name)
+    drafter = load_model(random_models[name], dtype=torch.float64)
     plain = SpeculativeEngine(target)
     for i, params in enumerate(SETTINGS):
         for seed in (0, 1, 2):
@@ -32,7 +40,8 @@ def test_random_drafters_reproduce_plain_sampling(random_models, drafter_name):
             prompt = prompt_of(5 + 4 * i, seed)
             expected = plain.generate(prompt, 30, sampling).token_ids
             for policy in POLICIES:
-                got = SpeculativeEngine(target, make_drafter(target, drafter), policy).generate(prompt, 30, sampling)
+                got = SpeculativeEngine(target, make_drafter(target, drafter, **options), policy).generate(
+                    prompt, 30, sampling)
                 assert got.token_ids == expected, (drafter_name, policy.name, params, seed)
 
 
@@ -52,7 +61,8 @@ def test_coupled_drafting_with_the_target_as_drafter_accepts_every_sampled_draft
     assert greedy.token_ids == expected and greedy.stats.accepted < greedy.stats.drafted
 
 
-@pytest.mark.parametrize("drafter_name", ["random-ar", "random-dllm", "random-dflash", "random-eagle3"])
+@pytest.mark.parametrize("drafter_name", ["random-ar", "random-dllm", "random-dllm-causal", "random-dflash",
+                                          "random-eagle3"])
 def test_coupled_drafts_use_each_tokens_own_position(random_models, drafter_name):
     """With uniform logits everywhere (zeroed output heads) the target draws the argmax of a
     position's noise, and so does a coupled drafter if it reads the noise of the position it
@@ -60,11 +70,12 @@ def test_coupled_drafts_use_each_tokens_own_position(random_models, drafter_name
     propose (a block-diffusion drafter's mask token). An off-by-one position would reject
     almost every draft."""
     target = load_model(random_models["target"], dtype=torch.float64)
-    drafter_model = load_model(random_models[drafter_name], dtype=torch.float64)
+    name, options = _drafter_options(drafter_name)
+    drafter_model = load_model(random_models[name], dtype=torch.float64)
     for model in (target.model, drafter_model.model):  # DFlash and EAGLE-3 drafters use the target's head
         if isinstance(model, Transformer):
             model.lm_head.weight.data.zero_()
-    drafter = make_drafter(target, drafter_model, full_vocab=True)
+    drafter = make_drafter(target, drafter_model, full_vocab=True, **options)
     sampling = SamplingParams(1.0, seed=7)
     prompt = prompt_of(7, 2)
     expected = SpeculativeEngine(target).generate(prompt, 48, sampling).token_ids
