@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from failfast.drafters.base import ChainDrafter, ModelDrafter, common_prefix_len
+from failfast.drafters.base import CausalCacheDrafter, ChainDrafter, ModelDrafter
 from failfast.model.kv_cache import KVCache
 from failfast.model.ragged import Ragged
 
 
-class ARDrafter(ChainDrafter, ModelDrafter):
+class ARDrafter(ChainDrafter, CausalCacheDrafter, ModelDrafter):
     """Greedy drafting with a KV cache; the cache keeps whatever prefix was verified.
 
     Batches (docs/design.md, "Batching"): each row's copy drafts into its row of one shared
@@ -18,15 +18,6 @@ class ARDrafter(ChainDrafter, ModelDrafter):
     """
 
     batchable = True
-
-    def prepare(self, total_len: int, cache: KVCache | None = None) -> None:
-        self._allocate(total_len + 1, total_len, cache)
-        self._pending: list[int] = []
-
-    def begin(self, committed: list[int]) -> None:
-        keep = min(common_prefix_len(self.cache_ids, committed), len(committed) - 1)
-        self._rollback(keep)
-        self._pending = committed[keep:]  # tokens to feed before the next prediction
 
     def _advance(self, logits: torch.Tensor) -> tuple[int, float]:
         """Take the prediction after the pending tokens (whose K/V are now cached)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -131,6 +131,30 @@ class ModelDrafter:
 
     def _tensor(self, ids: list[int]) -> Tensor:
         return torch.tensor([ids], dtype=torch.long, device=self.model.device)
+
+
+class CausalCacheDrafter:
+    """Drafters whose cache holds the causal K/V of the tokens fed so far (AR, causal
+    windows): a round keeps the prefix verification kept and feeds the rest (its pending
+    tokens) before its next forward; a request needs its positions plus the one being drafted."""
+
+    cache: KVCache
+    cache_ids: list[int]
+    _allocate: Callable[..., None]  # ModelDrafter's
+    _rollback: Callable[[int], None]
+
+    def prepare(self, total_len: int, cache: KVCache | None = None) -> None:
+        self._allocate(total_len + 1, total_len, cache)
+        self._pending: list[int] = []
+
+    def begin(self, committed: list[int]) -> None:
+        keep = min(common_prefix_len(self.cache_ids, committed), len(committed) - 1)
+        self._rollback(keep)
+        self._pending = committed[keep:]  # tokens to feed before the next prediction
+
+    def batch_capacity(self, positions: int) -> int:
+        """Positions per row of a batch's shared cache: a row's, plus the one being drafted."""
+        return positions + 1
 
 
 class ChainDrafter:

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from failfast.decode.policies import FailFastDefaults
-from failfast.drafters.base import ModelDrafter, common_prefix_len
+from failfast.drafters.base import CausalCacheDrafter, ModelDrafter
 from failfast.errors import IncompatibleModelsError
 from failfast.model import LoadedModel
 from failfast.model.kv_cache import KVCache
@@ -29,10 +29,11 @@ from failfast.model.ragged import Ragged
 CAUSAL_WINDOWS = "causal"  # the denoising mode's name (--denoise) and the config.json value that asks for it
 
 
-class CausalWindowDrafter(ModelDrafter):
-    """Batches (docs/design.md, "Batching"): each row's copy drafts into its row of one shared
-    cache, and `draft_rows` runs several rows' windows in one packed forward, each the window
-    it would run alone."""
+class CausalWindowDrafter(CausalCacheDrafter, ModelDrafter):
+    """A window's masks sit where its draft tokens will, so a request's cache needs no more
+    than an AR drafter's. Batches (docs/design.md, "Batching"): each row's copy drafts into its
+    row of one shared cache, and `draft_rows` runs several rows' windows in one packed forward,
+    each the window it would run alone."""
 
     batchable = True
 
@@ -45,16 +46,6 @@ class CausalWindowDrafter(ModelDrafter):
         # a window of four (three masks, as the embedded drafter was trained) at the block
         # drafter's threshold until measured otherwise (README, "Choosing the drafting defaults")
         self.failfast_defaults = FailFastDefaults(tau=0.6, chunk=4)
-
-    def prepare(self, total_len: int, cache: KVCache | None = None) -> None:
-        # a window's masks sit where its draft tokens will: within the request's positions
-        self._allocate(total_len + 1, total_len, cache)
-        self._pending: list[int] = []
-
-    def begin(self, committed: list[int]) -> None:
-        keep = min(common_prefix_len(self.cache_ids, committed), len(committed) - 1)
-        self._rollback(keep)
-        self._pending = committed[keep:]  # known tokens to feed before the next window
 
     def _window(self, count: int) -> list[int]:
         return self._pending + [self.mask_id] * (count - 1)
@@ -79,10 +70,6 @@ class CausalWindowDrafter(ModelDrafter):
         logits = self.model(self._tensor(self._window(count)), self.cache.length, self.cache, commit=False,
                             logits_at=self._logit_rows(count), head_weight=self.head_weight)
         return self._take(logits[0], count)
-
-    def batch_capacity(self, positions: int) -> int:
-        """Positions per row of a batch's shared cache: as many as one row needs."""
-        return positions + 1
 
     @staticmethod
     def draft_rows(drafters: list["CausalWindowDrafter"], wants: dict[int, int],
