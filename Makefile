@@ -84,7 +84,7 @@ DRAFT_VOCAB := 2048
 # A stage that spans sessions resumes from its committed 16-bit resume point when runs/ is gone.
 RESUME_POINT = $(if $(wildcard training/$(1)/state.json),--resume-from training/$(1))
 
-models: $(RUNS)/drafter-ar-sd2/training.json $(RUNS)/drafter-dllm-sd6/training.json $(RUNS)/dflash-drafter-v5/training.json $(RUNS)/eagle3-drafter-v3/training.json
+models: $(RUNS)/drafter-ar-sd2/training.json $(RUNS)/drafter-dllm-cw2/training.json $(RUNS)/dflash-drafter-v5/training.json $(RUNS)/eagle3-drafter-v3/training.json
 
 $(RUNS)/data/manifest.json: | venv
 	$(TRAIN) data --out $(RUNS)/data
@@ -170,6 +170,20 @@ DLLM_SD6_FLAGS := --steps 1500 --lr 5e-4 --warmup 50 --save-every 50 --block-siz
 $(RUNS)/drafter-dllm-sd6/training.json: $(RUNS)/drafter-dllm-sd5/training.json
 	$(TRAIN) diffusion --init $(RUNS)/drafter-dllm-sd5 --rows $(RUNS)/selfdistill-all --out $(RUNS)/drafter-dllm-sd6 $(DLLM_SD6_FLAGS) $(COMMON)
 	$(TRAIN) draft-vocab --rows $(RUNS)/selfdistill-all --out $(RUNS)/drafter-dllm-sd6 --draft-vocab-size $(DRAFT_VOCAB)
+
+# Causal windows (2026-12-07, seventeenth session, 2 threads; docs/design.md, "Causal windows"):
+# from the fifth block-diffusion pass, every next token plus windows of 3 masks behind a quarter
+# of the positions: a 200-step probe from the shipped 16-bit copy of sd6 (run with warm-up 30,
+# before the stage's CLI existed: the CLI caps warm-up at a tenth of the steps), then 3000 steps.
+DLLM_CW1_FLAGS := --steps 200 --lr 5e-4 --warmup 30 --save-every 100 --seed 11 --window-masks 3 --anchor-share 4
+DLLM_CW2_FLAGS := --steps 3000 --lr 5e-4 --warmup 50 --save-every 100 --seed 12 --window-masks 3 --anchor-share 4
+$(RUNS)/drafter-dllm-cw1/training.json: $(RUNS)/drafter-dllm-sd6/training.json
+	$(TRAIN) causal-windows --init $(RUNS)/drafter-dllm-sd6 --rows $(RUNS)/selfdistill-all --out $(RUNS)/drafter-dllm-cw1 $(DLLM_CW1_FLAGS) $(COMMON)
+	$(TRAIN) draft-vocab --rows $(RUNS)/selfdistill-all --out $(RUNS)/drafter-dllm-cw1 --draft-vocab-size $(DRAFT_VOCAB)
+
+$(RUNS)/drafter-dllm-cw2/training.json: $(RUNS)/drafter-dllm-cw1/training.json
+	$(TRAIN) causal-windows --init $(RUNS)/drafter-dllm-cw1 --rows $(RUNS)/selfdistill-all --out $(RUNS)/drafter-dllm-cw2 $(DLLM_CW2_FLAGS) $(COMMON)
+	$(TRAIN) draft-vocab --rows $(RUNS)/selfdistill-all --out $(RUNS)/drafter-dllm-cw2 --draft-vocab-size $(DRAFT_VOCAB)
 
 # The DFlash drafter: fresh Qwen3 layers reading target layers 1, 4 and 7 (2026-12-05, 1 thread
 # with native bf16, 47 min, ~2,300 tok/s; 7 windows per row, full-vocabulary head: the code of then).

@@ -30,8 +30,8 @@ STAGES = {
                    [("pre-training", "drafter-ar-base"), ("distillation from the first target", "drafter-ar"),
                     ("training on the target's self-distilled continuations", "drafter-ar-sd"),
                     ("more training on all self-distilled continuations", "drafter-ar-sd2")]),
-    "dllm-drafter": ("block-diffusion drafter converted from the AR drafter (Fast-dLLM v2 recipe), "
-                     "distilled from the target",
+    "dllm-drafter": ("mask-token drafter converted from the AR drafter (Fast-dLLM v2 recipe), distilled from the "
+                     "target, trained for block diffusion and then for causal windows (its default mode)",
                      [("AR pre-training", "drafter-ar-base"), ("AR distillation from the first target", "drafter-ar"),
                       ("block-diffusion conversion, distilled from the first target", "drafter-dllm"),
                       ("block-diffusion training, distilled from the first target", "drafter-dllm-long"),
@@ -42,7 +42,10 @@ STAGES = {
                       ("a fourth pass: suffix masks for half the blocks, position decay gamma 4 (seed 3)",
                        "drafter-dllm-sd5"),
                       ("a fifth pass: suffix masks for three blocks in four (seed 5, peak lr 5e-4)",
-                       "drafter-dllm-sd6")]),
+                       "drafter-dllm-sd6"),
+                      ("causal windows: every next token and windows of 3 masks, a probe (seed 11)",
+                       "drafter-dllm-cw1"),
+                      ("causal windows continued (seed 12)", "drafter-dllm-cw2")]),
     "dflash-drafter": ("DFlash-style block drafter: reads the target's layer outputs, shares its embedding and "
                        "output head (z-lab's DFlashDraftModel layout)",
                        [("DFlash training on the target's self-distilled continuations", "dflash-drafter"),
