@@ -43,8 +43,8 @@ class CausalWindowDrafter(CausalCacheDrafter, ModelDrafter):
                                           "draft causal windows")
         super().__init__(loaded, vocab_limit, banned=(loaded.config.mask_token_id,), draft_vocab=draft_vocab)
         self.mask_id = loaded.config.mask_token_id
-        # a window of four (three masks, as the embedded drafter was trained) at the block
-        # drafter's threshold until measured otherwise (README, "Choosing the drafting defaults")
+        # tau 0.6 and windows of four (three masks, as the embedded drafter was trained), by
+        # measurement (README, "Choosing the drafting defaults")
         self.failfast_defaults = FailFastDefaults(tau=0.6, chunk=4)
 
     def _window(self, count: int) -> list[int]:
