@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from failfast import FailFast, SpeculativeEngine, load_model, make_drafter
 from failfast.drafters.block_diffusion import BlockDiffusionDrafter
 from failfast.drafters.causal_window import CausalWindowDrafter
-from failfast.errors import PolicyError
+from failfast.errors import CheckpointError, PolicyError
 from failfast.model.transformer import attention_mask
 from failfast.train.objectives import causal_window_layout, causal_window_loss
 from tests.helpers import copy_checkpoint, prompt_of
@@ -78,6 +78,31 @@ def test_cache_holds_the_known_tokens_causal_keys_and_values(random_models):
                                    rtol=1e-12, atol=1e-12)
 
 
+def test_rows_drafted_together_are_each_rows_own_drafts(random_models):
+    """`draft_rows` over a shared cache: each row's tokens and confidences are what its drafter
+    drafts alone, windows of different sizes, a draft that goes on included."""
+    target = load_model(random_models["target"], dtype=torch.float64)
+    loaded = load_model(random_models["random-dllm"], dtype=torch.float64)
+    prompts, wants = [prompt_of(9), prompt_of(4, seed=1), prompt_of(13, seed=2)], [{0: 4, 1: 3, 2: 1}, {0: 2, 1: 5, 2: 3}]
+    alone = []
+    for slot, prompt in enumerate(prompts):
+        drafter = make_drafter(target, loaded, denoise="causal")
+        drafter.prepare(60)
+        drafter.begin(prompt)
+        alone.append([drafter.draft(want[slot]) for want in wants])
+    drafters = [make_drafter(target, loaded, denoise="causal") for _ in prompts]
+    shared = loaded.model.new_cache(drafters[0].batch_capacity(60), batch=len(prompts))
+    for slot, (drafter, prompt) in enumerate(zip(drafters, prompts)):
+        drafter.prepare(60, cache=shared.row(slot))
+        drafter.begin(prompt)
+    for call, want in enumerate(wants):
+        together = CausalWindowDrafter.draft_rows(drafters, want, shared)
+        for slot in want:
+            tokens, confs = together[slot]
+            assert tokens == alone[slot][call][0], (call, slot)
+            torch.testing.assert_close(torch.tensor(confs), torch.tensor(alone[slot][call][1]), rtol=1e-9, atol=1e-12)
+
+
 def test_training_layout_is_what_a_pass_computes(random_models):
     loaded = load_model(random_models["random-dllm"], dtype=torch.float64)
     model, mask = loaded.model, loaded.config.mask_token_id
@@ -116,3 +141,8 @@ def test_the_mode_comes_from_the_checkpoint_unless_asked_for(random_models, tmp_
     for options in (dict(sub_block_size=4), dict(unmask_threshold=0.5)):
         with pytest.raises(PolicyError, match="block modes"):
             make_drafter(target, trained, **options)
+    with pytest.raises(PolicyError, match="not one of"):
+        make_drafter(target, plain, denoise="diagonal")
+    (folder / "config.json").write_text(json.dumps({**config, "failfast_denoise": "Causal"}))
+    with pytest.raises(CheckpointError, match="config.json"):
+        make_drafter(target, load_model(folder, dtype=torch.float64))

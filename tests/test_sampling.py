@@ -79,14 +79,15 @@ def test_coupled_drafts_use_each_tokens_own_position(random_models, drafter_name
     sampling = SamplingParams(1.0, seed=7)
     prompt = prompt_of(7, 2)
     expected = SpeculativeEngine(target).generate(prompt, 48, sampling).token_ids
-    got = SpeculativeEngine(target, drafter, Fixed(4)).generate(prompt, 48, sampling)
-    assert got.token_ids == expected
-    at, rejected = 0, []
-    for r in got.stats.trajectory:
-        if r.accepted < r.drafted:
-            rejected.append(got.token_ids[at + r.accepted])  # the target's token where the draft went wrong
-        at += r.accepted + 1
-    assert got.stats.drafted >= 30 and set(rejected) <= set(drafter.banned)
+    for policy in (Fixed(4), FailFast(tau=0.0, chunk=2, max_draft=8)):  # one draft call a round; several
+        got = SpeculativeEngine(target, drafter, policy).generate(prompt, 48, sampling)
+        assert got.token_ids == expected
+        at, rejected = 0, []
+        for r in got.stats.trajectory:
+            if r.accepted < r.drafted:
+                rejected.append(got.token_ids[at + r.accepted])  # the target's token where the draft went wrong
+            at += r.accepted + 1
+        assert got.stats.drafted >= 30 and set(rejected) <= set(drafter.banned), policy.name
 
 
 def test_trained_drafter_reproduces_sampling_with_long_drafts(trained_pair):

@@ -119,6 +119,11 @@ def test_causal_window_stage_learns_and_names_its_mode(data_dir, tmp_path):
     made = make_drafter(target, drafter)
     assert isinstance(made, CausalWindowDrafter)
     assert SpeculativeEngine(target, made, Fixed(3)).generate(prompt, 20).token_ids == plain
+    # training it back to block diffusion drops the causal mode it started from
+    convert_to_diffusion(tmp_path / "cw", data_dir, tmp_path / "back", _settings(2), block_size=8, sub_block_size=4)
+    assert load_model(tmp_path / "back").config.failfast_denoise is None
+    with pytest.raises(FailfastError, match="window masks need"):
+        train_causal_windows(tmp_path / "ar", data_dir, tmp_path / "long", _settings(2), masks=47)
 
 
 def _killed_at_call(n: int):

@@ -1,6 +1,6 @@
 """failfast: lossless speculative decoding with a block-diffusion drafter and dynamic draft length."""
 
-from failfast.drafters import ARDrafter, BlockDiffusionDrafter, DFlashDrafter, Drafter, make_drafter
+from failfast.drafters import ARDrafter, BlockDiffusionDrafter, CausalWindowDrafter, DFlashDrafter, Drafter, make_drafter
 from failfast.drafters.lookup import LookupDrafter, LookupSettings
 from failfast.decode.engine import GenerationRequest, GenerationResult, SpeculativeEngine
 from failfast.errors import (CheckpointError, FailfastError, GenerationInputError,
@@ -15,7 +15,7 @@ from failfast.decode.stats import GenerationStats, RoundStats
 from failfast.decode.sampling import SamplingParams
 
 __all__ = [
-    "ARDrafter", "BlockDiffusionDrafter", "CheckpointError", "DFlashDrafter", "CostAware", "CostProfile", "Drafter", "FailFast",
+    "ARDrafter", "BlockDiffusionDrafter", "CausalWindowDrafter", "CheckpointError", "DFlashDrafter", "CostAware", "CostProfile", "Drafter", "FailFast",
     "FailFastDefaults",
     "FailfastError", "Fixed", "GenerationInputError", "GenerationRequest", "GenerationResult", "GenerationStats",
     "IncompatibleModelsError", "LoadedModel", "LookupDrafter", "LookupSettings", "Pipeline", "Policy", "PolicyError", "PolicyFactory", "RoundStats",

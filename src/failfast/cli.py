@@ -238,8 +238,9 @@ def cmd_train(args: argparse.Namespace) -> int:
                           init=Path(args.init) if args.init else None, resume=args.resume or resume_from is not None,
                           resume_from=resume_from, rows=rows)
     elif args.stage == "causal-windows":
-        if not args.init:
-            raise GenerationInputError("train causal-windows needs --init (a block-diffusion drafter or an AR model)")
+        if not args.init or teacher is not None:
+            raise GenerationInputError("train causal-windows needs --init (a block-diffusion drafter or an AR model) "
+                                       "and learns tokens (--rows or the corpus), not a --teacher")
         report = train_causal_windows(Path(args.init), Path(args.data), Path(args.out), settings, masks=args.window_masks,
                                       anchor_share=args.anchor_share, resume=args.resume or resume_from is not None,
                                       resume_from=resume_from, rows=rows)
@@ -335,8 +336,9 @@ def _add_model_flags(g: argparse.ArgumentParser) -> None:
                                              "diffusion, 6 DFlash, 2 EAGLE-3, 8 AR)")
     g.add_argument("--max-draft", type=int, default=60, help="FailFast / cost-aware maximum draft N_max")
     g.add_argument("--unmask-threshold", type=float, default=DEFAULT_UNMASK_THRESHOLD,
-                   help="block-diffusion: unmask every position above this confidence per pass (0: one pass "
-                        "per window; the paper uses 0.05)")
+                   help="block modes only (--denoise sliding etc.; the embedded drafter's own mode is causal): "
+                        "unmask every position above this confidence per pass (0: one pass per window; the paper "
+                        "uses 0.05)")
     g.add_argument("--denoise", choices=list(DENOISE_CHOICES),
                    help="mask-token drafter's pass (default: the one its config.json names, else sliding): causal "
                         "(causal windows: known tokens attend causally, a window of masks behind them), sliding (a "
@@ -344,7 +346,7 @@ def _add_model_flags(g: argparse.ArgumentParser) -> None:
                         "against cached K/V of what precedes it in its block), prefix (the same over aligned "
                         "sub-blocks), sub-block (Fast-dLLM v2's block cache) or full-block (exact)")
     g.add_argument("--sub-block", type=int,
-                   help="block-diffusion: a fixed sliding window of S tokens, or with another --denoise the "
+                   help="block modes only: a fixed sliding window of S tokens, or with another --denoise the "
                         "sub-block size (default: the policy's request; the drafter's config)")
     g.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=None,
                    help="prompt lookup: a round drafts a copy of what followed the last tokens' earlier "

@@ -79,6 +79,10 @@ def make_drafter(target: LoadedModel | ModelDescription, drafter: LoadedModel,
         return Eagle3Drafter(drafter, target, limit, vocab)
     if drafter.config.is_block_diffusion or drafter.config.mask_token_id is not None:
         mode = denoise or drafter.config.failfast_denoise or DEFAULT_DENOISE
+        if mode not in DENOISE_CHOICES:
+            raise (PolicyError if denoise else CheckpointError)(
+                f"drafting mode {mode!r} ({'asked for' if denoise else f'named by {drafter.path}/config.json'}) is "
+                f"not one of {', '.join(DENOISE_CHOICES)}")
         if mode != CAUSAL_WINDOWS:
             return BlockDiffusionDrafter(drafter, limit, unmask_threshold, mode, sub_block_size, vocab)
         if sub_block_size is not None or unmask_threshold != DEFAULT_UNMASK_THRESHOLD:

@@ -108,7 +108,7 @@ def convert_to_diffusion(init_dir: Path, data_dir: Path, out: Path, settings: Tr
     _, mask_id = special_ids(data.tokenizer)
     ar = _trainable(init_dir, data.tokenizer.vocab_size)
     model = Transformer(replace(ar.config, mask_token_id=mask_id, block_size=block_size,
-                                sub_block_size=sub_block_size))
+                                sub_block_size=sub_block_size, failfast_denoise=None))  # block modes, not an init's
     model.load_state_dict(ar.state_dict())
     model.requires_grad_(True)
     t = _teacher(teacher, data.tokenizer.vocab_size)
@@ -131,6 +131,9 @@ def train_causal_windows(init_dir: Path, data_dir: Path, out: Path, settings: Tr
 
     if masks < 1 or anchor_share < 1:
         raise FailfastError(f"window masks and anchor share must be >= 1, got {masks} and {anchor_share}")
+    if masks > settings.seq_len - 2:
+        raise FailfastError(f"{masks} window masks need training windows of at least {masks + 2} tokens, "
+                            f"got {settings.seq_len}")
     data = PreparedData.load(data_dir)
     _, mask_id = special_ids(data.tokenizer)
     base = _trainable(init_dir, data.tokenizer.vocab_size)
