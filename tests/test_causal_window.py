@@ -141,7 +141,7 @@ def test_the_mode_comes_from_the_checkpoint_unless_asked_for(random_models, tmp_
     for options in (dict(sub_block_size=4), dict(unmask_threshold=0.5)):
         with pytest.raises(PolicyError, match="block modes"):
             make_drafter(target, trained, **options)
-    with pytest.raises(PolicyError, match="not one of"):
+    with pytest.raises(PolicyError, match="denoising pass must be one of"):
         make_drafter(target, plain, denoise="diagonal")
     (folder / "config.json").write_text(json.dumps({**config, "failfast_denoise": "Causal"}))
     with pytest.raises(CheckpointError, match="config.json"):

@@ -80,9 +80,9 @@ def make_drafter(target: LoadedModel | ModelDescription, drafter: LoadedModel,
     if drafter.config.is_block_diffusion or drafter.config.mask_token_id is not None:
         mode = denoise or drafter.config.failfast_denoise or DEFAULT_DENOISE
         if mode not in DENOISE_CHOICES:
+            named = "" if denoise else f" (failfast_denoise in {drafter.path}/config.json)"
             raise (PolicyError if denoise else CheckpointError)(
-                f"drafting mode {mode!r} ({'asked for' if denoise else f'named by {drafter.path}/config.json'}) is "
-                f"not one of {', '.join(DENOISE_CHOICES)}")
+                f"denoising pass must be one of {', '.join(DENOISE_CHOICES)}, got {mode!r}{named}")
         if mode != CAUSAL_WINDOWS:
             return BlockDiffusionDrafter(drafter, limit, unmask_threshold, mode, sub_block_size, vocab)
         if sub_block_size is not None or unmask_threshold != DEFAULT_UNMASK_THRESHOLD:
