@@ -67,6 +67,14 @@ def _trainable(init_dir: Path, vocab_size: int) -> Transformer:
     return model.requires_grad_(True)
 
 
+def _reconfigured(base: Transformer, **changes) -> Transformer:
+    """`base`'s weights, trainable, in a model of its config with `changes` (a mask token, block
+    sizes, a drafting mode)."""
+    model = Transformer(replace(base.config, **changes))
+    model.load_state_dict(base.state_dict())
+    return model.requires_grad_(True)
+
+
 def _train_stream(data: PreparedData, rows: Path | None) -> Tensor:
     """The corpus stream, or the target's self-distillation rows when given."""
     return data.train if rows is None else load_rows(rows)
@@ -106,11 +114,8 @@ def convert_to_diffusion(init_dir: Path, data_dir: Path, out: Path, settings: Tr
         raise FailfastError(f"position decay gamma must be > 0, got {decay_gamma}")
     data = PreparedData.load(data_dir)
     _, mask_id = special_ids(data.tokenizer)
-    ar = _trainable(init_dir, data.tokenizer.vocab_size)
-    model = Transformer(replace(ar.config, mask_token_id=mask_id, block_size=block_size,
-                                sub_block_size=sub_block_size, failfast_denoise=None))  # block modes, not an init's
-    model.load_state_dict(ar.state_dict())
-    model.requires_grad_(True)
+    model = _reconfigured(_trainable(init_dir, data.tokenizer.vocab_size), mask_token_id=mask_id, block_size=block_size,
+                          sub_block_size=sub_block_size, failfast_denoise=None)  # block modes, not an init's
     t = _teacher(teacher, data.tokenizer.vocab_size)
     loss = lambda m, batch, gen: block_diffusion_loss(m, batch, block_size, mask_id, gen, t,  # noqa: E731
                                                       suffix_mask_share, decay_gamma)
@@ -136,10 +141,8 @@ def train_causal_windows(init_dir: Path, data_dir: Path, out: Path, settings: Tr
                             f"got {settings.seq_len}")
     data = PreparedData.load(data_dir)
     _, mask_id = special_ids(data.tokenizer)
-    base = _trainable(init_dir, data.tokenizer.vocab_size)
-    model = Transformer(replace(base.config, mask_token_id=mask_id, failfast_denoise=CAUSAL_WINDOWS))
-    model.load_state_dict(base.state_dict())
-    model.requires_grad_(True)
+    model = _reconfigured(_trainable(init_dir, data.tokenizer.vocab_size), mask_token_id=mask_id,
+                          failfast_denoise=CAUSAL_WINDOWS)
     loss = lambda m, batch, gen: causal_window_loss(m, batch, mask_id, gen, masks, anchor_share)  # noqa: E731
     objective = {"window_masks": masks, "anchor_share": anchor_share, **({"rows": str(rows)} if rows else {})}
     return train(model, loss, _train_stream(data, rows), data.held_out, settings, out, data.tokenizer,
